@@ -1,0 +1,1 @@
+"""The decode service: pulls parked KV from prefills and continues requests, streaming tokens."""

@@ -1,0 +1,55 @@
+"""Starts a decode process: model, engine thread, KV puller, gRPC and metrics servers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from datetime import timedelta
+
+from prometheus_client import CollectorRegistry
+
+from decode_service.engine import DecodeEngine
+from decode_service.kv_puller import KvPuller
+from decode_service.metrics import DecodeMetrics
+from decode_service.servicer import DecodeServicer
+from pdserve.config import DecodeConfig
+from pdserve.engine_model import load_engine_model
+from pdserve.grpc_server import ServiceServer, announce_ready, wait_for_stop_signal
+from pdserve.metrics_server import MetricsServer
+from pdserve.v1 import decode_pb2, decode_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+
+
+async def serve(config: DecodeConfig) -> None:
+    engine_model = await asyncio.to_thread(load_engine_model, config.engine)
+    backend = config.transfer.backend_for(config.engine.device)
+    timeout = timedelta(seconds=config.transfer.transfer_timeout_s)
+    metrics = DecodeMetrics(CollectorRegistry())
+    puller = KvPuller(
+        uuid.uuid4().hex,
+        engine_model.fingerprint,
+        engine_model.kv_layout,
+        backend,
+        engine_model.device,
+        config.server.host,
+        timeout,
+        metrics,
+    )
+    engine = DecodeEngine(engine_model, metrics, config.max_running)
+    engine.start()
+    server = ServiceServer(config.server.host, config.server.port, [SERVICE_NAME])
+    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(engine, puller, metrics), server.server)
+    metrics_server = MetricsServer(config.server.host, config.server.metrics_port, metrics.registry)
+    await server.start()
+    announce_ready("decode", grpc=server.address, metrics=metrics_server.address)
+    await wait_for_stop_signal()
+    logger.info("draining decode (grace %.1fs)", config.server.grace_s)
+    await server.drain(config.server.grace_s)
+    await asyncio.to_thread(engine.stop)
+    await puller.close()
+    metrics_server.close()
+    logger.info("decode stopped")

@@ -1,0 +1,1 @@
+"""Gateway service: the client-facing API that streams generated text."""

@@ -1,0 +1,33 @@
+"""Prometheus metrics of the gateway (its own registry, served on --metrics-port)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter("pdserve_gateway_requests", "Generate calls received", registry=registry)
+        self.finished = Counter(
+            "pdserve_gateway_finished", "Requests finished, by reason", ["reason"], registry=registry
+        )
+        self.failed = Counter(
+            "pdserve_gateway_failed", "Requests failed, by status", ["code"], registry=registry
+        )
+        self.cancelled = Counter(
+            "pdserve_gateway_cancelled", "Requests cancelled by the client", registry=registry
+        )
+        self.decode_calls = Counter("pdserve_gateway_decode_calls", "Decode calls made", registry=registry)
+        self.kv_releases = Counter(
+            "pdserve_gateway_kv_releases", "KV handles released on the prefill", registry=registry
+        )
+        self.in_flight = Gauge("pdserve_gateway_in_flight", "Requests in flight", registry=registry)
+        self.ttft_seconds = Histogram(
+            "pdserve_gateway_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=registry
+        )
+        self.generated_tokens = Counter(
+            "pdserve_gateway_generated_tokens", "Tokens streamed to clients", registry=registry
+        )

@@ -1,0 +1,44 @@
+"""From a GenerateRequest's input fields to validated prompt token ids."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.model_limits import ModelLimits
+from pdserve.sampling import SamplingParams
+from pdserve.v1 import gateway_pb2
+
+
+class PromptInput:
+    def __init__(self, tokenizer: Any, limits: ModelLimits) -> None:
+        self._tokenizer = tokenizer
+        self.limits = limits
+
+    def token_ids(self, request: gateway_pb2.GenerateRequest, params: SamplingParams) -> list[int]:
+        """Raises ValueError naming the field when the input is missing, ambiguous or too long."""
+        has_text = bool(request.prompt)
+        has_ids = len(request.prompt_token_ids) > 0
+        if has_text and has_ids:
+            raise ValueError("give exactly one of prompt and prompt_token_ids, not both")
+        if not has_text and not has_ids:
+            raise ValueError("prompt must not be empty (give prompt or prompt_token_ids)")
+        if has_ids:
+            if request.apply_chat_template:
+                raise ValueError("apply_chat_template needs prompt text, not prompt_token_ids")
+            ids = list(request.prompt_token_ids)
+        elif request.apply_chat_template:
+            ids = self._chat_ids(request.prompt)
+        else:
+            ids = list(self._tokenizer(request.prompt).input_ids)
+        if not ids:
+            raise ValueError("prompt must not be empty: it tokenizes to no tokens")
+        self.limits.check_request(ids, params)
+        return ids
+
+    def _chat_ids(self, prompt: str) -> list[int]:
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise ValueError("apply_chat_template: this model has no chat template")
+        text = self._tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return list(self._tokenizer(text, add_special_tokens=False).input_ids)

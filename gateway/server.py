@@ -1,0 +1,51 @@
+"""Starts the gateway: tokenizer and limits of the model, backend pools, gRPC and metrics servers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from prometheus_client import CollectorRegistry
+from transformers import AutoConfig, AutoTokenizer
+
+from gateway.backends import decode_pool, prefill_pool
+from gateway.metrics import GatewayMetrics
+from gateway.prompt_input import PromptInput
+from gateway.request_flow import RequestFlow
+from gateway.servicer import GatewayServicer
+from pdserve.config import GatewayConfig
+from pdserve.engine_model import eos_token_ids
+from pdserve.grpc_server import ServiceServer, announce_ready, wait_for_stop_signal
+from pdserve.metrics_server import MetricsServer
+from pdserve.model_limits import ModelLimits
+from pdserve.model_source import resolve_model_dir
+from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+
+
+async def serve(config: GatewayConfig) -> None:
+    model_dir = await asyncio.to_thread(resolve_model_dir, config.model, config.cache_dir or None)
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_dir)
+    hf_config = await asyncio.to_thread(AutoConfig.from_pretrained, model_dir)
+    limits = ModelLimits.from_config(hf_config, config.max_model_len, eos_token_ids(model_dir, hf_config))
+
+    metrics = GatewayMetrics(CollectorRegistry())
+    prefills = prefill_pool(config.prefill)
+    decodes = decode_pool(config.decode)
+    flow = RequestFlow(PromptInput(tokenizer, limits), tokenizer, prefills, decodes, metrics)
+    server = ServiceServer(config.server.host, config.server.port, [SERVICE_NAME])
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(flow, metrics), server.server)
+    metrics_server = MetricsServer(config.server.host, config.server.metrics_port, metrics.registry)
+    await server.start()
+    announce_ready("gateway", grpc=server.address, metrics=metrics_server.address)
+    await wait_for_stop_signal()
+    logger.info("draining gateway (grace %.1fs)", config.server.grace_s)
+    await server.drain(config.server.grace_s)
+    await flow.close()
+    await prefills.close()
+    await decodes.close()
+    metrics_server.close()
+    logger.info("gateway stopped")

@@ -1,0 +1,47 @@
+"""gRPC servicer of the public pdserve.v1.Gateway: validation at the edge, then the request flow."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from gateway.metrics import GatewayMetrics
+from gateway.request_flow import RequestFlow
+from pdserve.rpc_errors import RpcError, abort
+from pdserve.sampling_proto import sampling_from_proto
+from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, flow: RequestFlow, metrics: GatewayMetrics) -> None:
+        self._flow = flow
+        self._metrics = metrics
+
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: Any
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        self._metrics.requests.inc()
+        self._metrics.in_flight.inc()
+        try:
+            params = sampling_from_proto(request.sampling)
+            async for response in self._flow.generate(request, params):
+                self._metrics.generated_tokens.inc(len(response.token_ids))
+                yield response
+        except ValueError as exc:
+            self._metrics.failed.labels(grpc.StatusCode.INVALID_ARGUMENT.name).inc()
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RpcError as exc:
+            self._metrics.failed.labels(exc.code.name).inc()
+            logger.info("request %s failed: %s %s", request.request_id, exc.code.name, exc.message)
+            await abort(context, exc.code, exc.message)
+        except (asyncio.CancelledError, GeneratorExit):
+            self._metrics.cancelled.inc()
+            raise
+        finally:
+            self._metrics.in_flight.dec()

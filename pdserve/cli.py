@@ -1,0 +1,81 @@
+"""The `pdserve` command: run the stack or one service, send requests, check health."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pdserve import cli_options
+from pdserve.config import DecodeConfig, GatewayConfig, PrefillConfig
+
+SERVICES: dict[str, tuple[type, str]] = {
+    "prefill": (PrefillConfig, "run a prefill service"),
+    "decode": (DecodeConfig, "run a decode service"),
+    "gateway": (GatewayConfig, "run the gateway (public gRPC API)"),
+}
+
+
+def _serve(name: str, config: Any) -> None:
+    from pdserve.grpc_server import run_service
+
+    if name == "prefill":
+        from prefill_service.server import serve as serve_prefill
+
+        run_service(lambda: serve_prefill(config))
+    elif name == "decode":
+        from decode_service.server import serve as serve_decode
+
+        run_service(lambda: serve_decode(config))
+    else:
+        from gateway.server import serve as serve_gateway
+
+        run_service(lambda: serve_gateway(config))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pdserve import client, health_client, launcher
+
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = commands.add_parser("up", help="run gateway, prefill and decode as separate processes")
+    launcher.add_up_arguments(up)
+    up.set_defaults(run=launcher.run_up_from_args)
+
+    for name, (cls, help_text) in SERVICES.items():
+        sub = commands.add_parser(name, help=help_text)
+        cli_options.add_arguments(sub, cls)
+        sub.set_defaults(run=_service_runner(name, cls))
+
+    generate = commands.add_parser("generate", help="stream one request from a running gateway")
+    client.add_generate_arguments(generate)
+    generate.set_defaults(run=client.run_generate)
+
+    health = commands.add_parser("health", help="exit 0 when a service reports SERVING")
+    health_client.add_health_arguments(health)
+    health.set_defaults(run=health_client.run_health)
+    return parser
+
+
+def _service_runner(name: str, cls: type) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            config: Any = cli_options.build(cls, args)
+        except ValueError as exc:
+            print(f"pdserve {name}: {exc}", file=sys.stderr)
+            return 2
+        _serve(name, config)
+        return 0
+
+    return run
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except ValueError as exc:
+        parser.error(str(exc))
+    sys.exit(args.run(args))

@@ -1,0 +1,116 @@
+"""Command-line flags and environment variables derived from the config dataclasses.
+
+Each leaf field ``name`` of a (possibly nested) config dataclass becomes the flag ``--name``
+(underscores as dashes) and the environment variable ``PDSERVE_NAME``. The flag wins over the
+environment, which wins over the dataclass default. Tuples are comma-separated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import typing
+from collections.abc import Iterator, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+ENV_PREFIX = "PDSERVE_"
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One leaf field: its path in the nested config, type, default and help."""
+
+    path: tuple[str, ...]
+    type: Any
+    default: Any
+    help: str
+
+    @property
+    def name(self) -> str:
+        return self.path[-1]
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env_var(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+def _field_default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def options(cls: type, defaults: Any = None, prefix: tuple[str, ...] = ()) -> Iterator[Option]:
+    """The leaf options of a config dataclass, depth first, in field order."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        default = getattr(defaults, f.name) if defaults is not None else _field_default(f)
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            yield from options(typing.cast(type, kind), default, (*prefix, f.name))
+        else:
+            yield Option((*prefix, f.name), kind, default, str(f.metadata.get("help", "")))
+
+
+def env_names(cls: type) -> list[str]:
+    """Every environment variable a config class reads."""
+    return [o.env_var for o in options(cls)]
+
+
+def _parse(option: Option, text: str) -> Any:
+    origin = typing.get_origin(option.type)
+    if origin is tuple:
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+    if option.type is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"{option.name} must be a boolean, got {text!r}")
+    try:
+        return option.type(text)
+    except ValueError:
+        raise ValueError(f"{option.name} must be {option.type.__name__}, got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, env: Mapping[str, str] | None = None) -> None:
+    """Adds one flag per leaf option; defaults come from the environment, then the dataclass."""
+    env = os.environ if env is None else env
+    for option in options(cls):
+        default = option.default
+        if option.env_var in env:
+            default = _parse(option, env[option.env_var])
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        parser.add_argument(
+            option.flag,
+            dest=option.name,
+            type=functools.partial(_parse, option),
+            default=default,
+            help=f"{option.help} (env {option.env_var}; default: {shown!r})",
+        )
+
+
+def build(cls: type[T], args: argparse.Namespace) -> T:
+    """Builds the config from parsed flags (validation runs in each __post_init__)."""
+    return _build(cls, vars(args))
+
+
+def _build(cls: type[T], values: Mapping[str, Any]) -> T:
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(typing.cast(Any, cls)):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            kwargs[f.name] = _build(typing.cast(type, kind), values)
+        elif f.name in values:
+            kwargs[f.name] = values[f.name]
+    return cls(**kwargs)

@@ -1,0 +1,137 @@
+"""Typed, frozen configuration of the three services; the CLI takes its flags and defaults from here.
+
+Every field is also read from the environment as ``PDSERVE_<FIELD NAME IN UPPER CASE>`` (see
+``pdserve.cli_options``), so a flag, an environment variable and a field are one setting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+BACKENDS = ("auto", "gloo", "nccl")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _check_port(name: str, value: int) -> None:
+    if not 0 <= value <= 65535:
+        raise ValueError(f"{name} must be in [0, 65535] (0 picks a free port), got {value}")
+
+
+def _check_address(name: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"{name} must look like HOST:PORT, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How a prefill or decode process loads and runs its model."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "model directory or preset name"})
+    device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda:0"})
+    dtype: str = field(
+        default="auto", metadata={"help": "weights dtype; auto: float32 on CPU, the model's on CUDA"}
+    )
+    threads: int = field(default=1, metadata={"help": "intra-op torch threads on CPU"})
+    max_model_len: int = field(default=0, metadata={"help": "context limit; 0 takes the model's"})
+    cache_dir: str = field(
+        default="", metadata={"help": "where presets are built (default ~/.cache/pdserve)"}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must not be empty")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """The KV handoff between a prefill and a decode process."""
+
+    kv_backend: str = field(default="auto", metadata={"help": "gloo, nccl, or auto (by device)"})
+    transfer_timeout_s: float = field(default=30.0, metadata={"help": "bound on every KV transfer wait"})
+
+    def __post_init__(self) -> None:
+        if self.kv_backend not in BACKENDS:
+            raise ValueError(f"kv_backend must be one of {BACKENDS}, got {self.kv_backend!r}")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+
+    def backend_for(self, device: str) -> str:
+        if self.kv_backend != "auto":
+            return self.kv_backend
+        return "nccl" if device.startswith("cuda") else "gloo"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where a service listens."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind and advertise"})
+    port: int = field(default=0, metadata={"help": "gRPC port (0 picks a free one)"})
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus metrics port (0 picks a free one)"})
+    grace_s: float = field(default=5.0, metadata={"help": "drain time on SIGTERM"})
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must not be empty")
+        _check_port("port", self.port)
+        _check_port("metrics_port", self.metrics_port)
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    kv_port: int = field(default=0, metadata={"help": "port of the KV rendezvous store (0 picks a free one)"})
+    lease_s: float = field(default=30.0, metadata={"help": "seconds a parked KV waits to be pulled"})
+
+    def __post_init__(self) -> None:
+        _check_port("kv_port", self.kv_port)
+        if self.lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    max_running: int = field(default=64, metadata={"help": "most requests decoding at once"})
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50051))
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "model directory or preset (tokenizer)"})
+    cache_dir: str = field(
+        default="", metadata={"help": "where presets are built (default ~/.cache/pdserve)"}
+    )
+    max_model_len: int = field(default=0, metadata={"help": "context limit; 0 takes the model's"})
+    prefill: tuple[str, ...] = field(default=(), metadata={"help": "prefill gRPC addresses (HOST:PORT,...)"})
+    decode: tuple[str, ...] = field(default=(), metadata={"help": "decode gRPC addresses (HOST:PORT,...)"})
+
+    def __post_init__(self) -> None:
+        if not self.prefill:
+            raise ValueError("at least one prefill address is required (--prefill / PDSERVE_PREFILL)")
+        if not self.decode:
+            raise ValueError("at least one decode address is required (--decode / PDSERVE_DECODE)")
+        for address in (*self.prefill, *self.decode):
+            _check_address("address", address)
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")

@@ -1,0 +1,105 @@
+"""The model an engine process runs: weights on its device, tokenizer, limits, fingerprint, KV layout."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
+
+from pdserve.config import EngineConfig
+from pdserve.kv_layout import KvLayout
+from pdserve.model_limits import ModelLimits
+from pdserve.model_source import resolve_model_dir
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    model: Any
+    tokenizer: Any
+    limits: ModelLimits
+    device: torch.device
+    fingerprint: str
+    kv_layout: KvLayout
+
+
+def resolve_dtype(name: str, device: torch.device, config: Any) -> torch.dtype:
+    if name != "auto":
+        dtype: torch.dtype = getattr(torch, name)
+        return dtype
+    if device.type == "cpu":
+        return torch.float32
+    configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(configured, torch.dtype):
+        return configured
+    if isinstance(configured, str) and isinstance(getattr(torch, configured, None), torch.dtype):
+        resolved: torch.dtype = getattr(torch, configured)
+        return resolved
+    return torch.bfloat16
+
+
+def eos_token_ids(model_dir: Path, config: Any) -> frozenset[int]:
+    """EOS ids from generation_config.json when present, else from config.json."""
+    ids: set[int] = set()
+    sources: list[Any] = [config]
+    with contextlib.suppress(OSError):
+        sources.insert(0, GenerationConfig.from_pretrained(model_dir))
+    for source in sources:
+        value = getattr(source, "eos_token_id", None)
+        if value is None:
+            continue
+        ids.update([value] if isinstance(value, int) else value)
+        break
+    return frozenset(ids)
+
+
+def fingerprint(model: Any, dtype: torch.dtype) -> str:
+    """Identifies architecture, dtype and weights: two processes agree only on the same model."""
+    h = hashlib.sha256()
+    h.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    h.update(str(dtype).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(str(tuple(tensor.shape)).encode())
+        sample = tensor.detach().flatten()[:64].to("cpu", torch.float64)
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+@torch.inference_mode()
+def measure_kv_layout(model: Any, device: torch.device) -> KvLayout:
+    """One-token forward: the per-layer shapes and dtype of what the cache holds."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), cache=cache, use_cache=True)
+    return KvLayout.from_cache_layers([(layer.keys, layer.values) for layer in cache.layers])
+
+
+def load_engine_model(config: EngineConfig) -> EngineModel:
+    device = torch.device(config.device)
+    if device.type == "cpu":
+        torch.set_num_threads(config.threads)
+    else:
+        torch.cuda.set_device(device)
+    model_dir = resolve_model_dir(config.model, config.cache_dir or None)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    dtype = resolve_dtype(config.dtype, device, hf_config)
+    logger.info("loading %s (%s) on %s as %s", config.model, model_dir, device, dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    limits = ModelLimits.from_config(hf_config, config.max_model_len, eos_token_ids(model_dir, hf_config))
+    return EngineModel(
+        model=model,
+        tokenizer=tokenizer,
+        limits=limits,
+        device=device,
+        fingerprint=fingerprint(model, dtype),
+        kv_layout=measure_kv_layout(model, device),
+    )

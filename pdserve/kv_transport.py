@@ -1,0 +1,170 @@
+"""One side of a 2-rank torch.distributed group between one prefill and one decode process.
+
+The same code serves gloo (CPU tensors) and NCCL (CUDA tensors): the backend and device are
+parameters. Rank 0 is the prefill, rank 1 the decode. Each channel owns one worker thread, and
+every operation (the group's construction first, then each send or receive) runs on it in
+submission order: NCCL has no tags, so both sides keep the order in which the decode asked for
+transfers. Every wait is bounded by the channel timeout; after any failure the channel is broken
+and its owner builds a new one under a new generation (a fresh store prefix).
+
+Lifecycle of a channel: created (nothing connected) -> connecting (on the first operation, both
+sides rendezvous through the prefill's TCPStore) -> ready -> broken or closed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import logging
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+PREFILL_RANK = 0
+DECODE_RANK = 1
+
+
+class ChannelState(enum.Enum):
+    CREATED = "created"
+    CONNECTING = "connecting"
+    READY = "ready"
+    BROKEN = "broken"
+    CLOSED = "closed"
+
+
+class TransferError(RuntimeError):
+    """A transfer failed or timed out; the channel that ran it is broken."""
+
+
+def transfer_device(backend: str, device: torch.device) -> torch.device:
+    """Where transfer buffers live: the engine's CUDA device for NCCL, host memory for gloo."""
+    if backend == "nccl":
+        if device.type != "cuda":
+            raise ValueError(f"the nccl backend needs a CUDA device, got {device}")
+        return device
+    if backend == "gloo":
+        return torch.device("cpu")
+    raise ValueError(f"unknown KV backend {backend!r}")
+
+
+def pair_prefix(prefill_instance_id: str, decode_instance_id: str, generation: int) -> str:
+    return f"pdserve/kv/{prefill_instance_id}/{decode_instance_id}/{generation}/"
+
+
+def connect_store(address: str, timeout: timedelta) -> dist.Store:
+    """A client of a prefill's rendezvous TCPStore."""
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host, int(port), None, False, timeout)
+
+
+def host_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """The rendezvous TCPStore a prefill hosts (port 0 picks a free one; see ``.port``)."""
+    return dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False)
+
+
+class PairChannel:
+    def __init__(
+        self,
+        store: dist.Store,
+        prefix: str,
+        rank: int,
+        backend: str,
+        device: torch.device,
+        local_host: str,
+        timeout: timedelta,
+    ) -> None:
+        self.prefix = prefix
+        self.rank = rank
+        self.backend = backend
+        self.device = transfer_device(backend, device)
+        self._store = store
+        self._local_host = local_host
+        self._timeout = timeout
+        self._group: Any = None
+        self._lock = threading.Lock()
+        self._state = ChannelState.CREATED
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"kv-pair-{prefix.strip('/').replace('/', '-')}"
+        )
+
+    @property
+    def state(self) -> ChannelState:
+        return self._state
+
+    @property
+    def is_usable(self) -> bool:
+        return self._state in (ChannelState.CREATED, ChannelState.CONNECTING, ChannelState.READY)
+
+    @property
+    def peer(self) -> int:
+        return 1 - self.rank
+
+    def send(self, buf: torch.Tensor) -> concurrent.futures.Future[None]:
+        """Posts the send of ``buf`` after every earlier operation of this channel."""
+        return self._submit("send", buf)
+
+    def recv(self, buf: torch.Tensor) -> concurrent.futures.Future[None]:
+        """Posts the receive into ``buf`` after every earlier operation of this channel."""
+        return self._submit("recv", buf)
+
+    def close(self) -> None:
+        """Stops taking operations; a wait in progress ends at its timeout at the latest."""
+        with self._lock:
+            if self._state != ChannelState.BROKEN:
+                self._state = ChannelState.CLOSED
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _submit(self, op: str, buf: torch.Tensor) -> concurrent.futures.Future[None]:
+        if buf.device != self.device:
+            raise ValueError(f"{op} buffer is on {buf.device}, the channel moves {self.device} tensors")
+        if not buf.is_contiguous():
+            raise ValueError(f"{op} buffer must be contiguous")
+        with self._lock:
+            if not self.is_usable:
+                raise TransferError(f"channel {self.prefix} is {self._state.value}")
+            return self._executor.submit(self._run, op, buf)
+
+    def _run(self, op: str, buf: torch.Tensor) -> None:
+        if not self.is_usable:
+            raise TransferError(f"channel {self.prefix} is {self._state.value}")
+        try:
+            if self._group is None:
+                self._state = ChannelState.CONNECTING
+                self._group = self._build_group()
+                self._state = ChannelState.READY
+            if op == "send":
+                work = self._group.send([buf], self.peer, 0)
+            else:
+                work = self._group.recv([buf], self.peer, 0)
+            if not work.wait(self._timeout):
+                raise TransferError(f"{op} of {buf.numel()} bytes timed out after {self._timeout}")
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        except Exception as exc:
+            with self._lock:
+                if self._state != ChannelState.CLOSED:
+                    self._state = ChannelState.BROKEN
+            logger.warning("KV %s on %s failed: %s", op, self.prefix, exc)
+            if isinstance(exc, TransferError):
+                raise
+            raise TransferError(f"{op} on {self.prefix} failed: {exc}") from exc
+
+    def _build_group(self) -> Any:
+        store = dist.PrefixStore(self.prefix, self._store)
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.device)
+            nccl_opts = dist.ProcessGroupNCCL.Options()
+            nccl_opts._timeout = self._timeout
+            return dist.ProcessGroupNCCL(store, self.rank, 2, nccl_opts)
+        gloo_opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        if self._local_host in ("", "0.0.0.0", "::"):
+            gloo_opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        else:
+            gloo_opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self._local_host)]
+        gloo_opts._timeout = self._timeout
+        return dist.ProcessGroupGloo(store, self.rank, 2, gloo_opts)

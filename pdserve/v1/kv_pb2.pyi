@@ -1,0 +1,45 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class KvHandle(_message.Message):
+    __slots__ = ("version", "id", "prefill_address", "prefill_instance_id", "rendezvous_address", "backend", "model_fingerprint", "num_tokens", "tensors", "num_bytes", "expires_at_unix", "rank")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    id: bytes
+    prefill_address: str
+    prefill_instance_id: str
+    rendezvous_address: str
+    backend: str
+    model_fingerprint: str
+    num_tokens: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    num_bytes: int
+    expires_at_unix: float
+    rank: int
+    def __init__(self, version: _Optional[int] = ..., id: _Optional[bytes] = ..., prefill_address: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., rendezvous_address: _Optional[str] = ..., backend: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_bytes: _Optional[int] = ..., expires_at_unix: _Optional[float] = ..., rank: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,57 @@
+from pdserve.v1 import kv_pb2 as _kv_pb2
+from pdserve.v1 import sampling_pb2 as _sampling_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _sampling_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token_id", "finish_reason", "kv_handle")
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    finish_reason: str
+    kv_handle: _kv_pb2.KvHandle
+    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., kv_handle: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ...) -> None: ...
+
+class PullKvRequest(_message.Message):
+    __slots__ = ("handle_id", "decode_instance_id", "pair_generation")
+    HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAIR_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    handle_id: bytes
+    decode_instance_id: str
+    pair_generation: int
+    def __init__(self, handle_id: _Optional[bytes] = ..., decode_instance_id: _Optional[str] = ..., pair_generation: _Optional[int] = ...) -> None: ...
+
+class PullKvResponse(_message.Message):
+    __slots__ = ("num_bytes",)
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_bytes: int
+    def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
+
+class ReleaseKvRequest(_message.Message):
+    __slots__ = ("handle_id",)
+    HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
+    handle_id: bytes
+    def __init__(self, handle_id: _Optional[bytes] = ...) -> None: ...
+
+class ReleaseKvResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

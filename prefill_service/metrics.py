@@ -1,0 +1,51 @@
+"""Prometheus metrics of a prefill process (its own registry, served on --metrics-port)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class PrefillMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter("pdserve_prefill_requests", "Prefill requests served", registry=registry)
+        self.finished_at_first_token = Counter(
+            "pdserve_prefill_finished_at_first_token",
+            "Requests complete at their first token (never sent to decode)",
+            ["reason"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prefill_prompt_tokens", "Prompt tokens run through prefill", registry=registry
+        )
+        self.forward_seconds = Histogram(
+            "pdserve_prefill_forward_seconds", "Duration of prefill forwards", registry=registry
+        )
+        self.parked_handles = Gauge("pdserve_kv_parked_handles", "KV handles parked", registry=registry)
+        self.parked_bytes = Gauge("pdserve_kv_parked_bytes", "Bytes of parked KV", registry=registry)
+        self.kv_parks = Counter("pdserve_kv_parks", "KV handles parked", registry=registry)
+        self.kv_pulls = Counter("pdserve_kv_pulls", "KV pulls started by decodes", registry=registry)
+        self.kv_pull_failures = Counter(
+            "pdserve_kv_pull_failures", "KV sends that failed or timed out", registry=registry
+        )
+        self.kv_pulls_not_found = Counter(
+            "pdserve_kv_pulls_not_found", "Pulls of unknown or expired handles", registry=registry
+        )
+        self.kv_releases = Counter("pdserve_kv_releases", "KV handles released unpulled", registry=registry)
+        self.kv_expiries = Counter("pdserve_kv_expiries", "KV handles whose lease expired", registry=registry)
+        self.kv_sent_bytes = Counter("pdserve_kv_sent_bytes", "KV bytes sent to decodes", registry=registry)
+        self.kv_transfer_seconds = Histogram(
+            "pdserve_kv_send_seconds",
+            "Duration of KV sends (posted to completed)",
+            buckets=TRANSFER_BUCKETS,
+            registry=registry,
+        )
+        self.kv_pairs = Gauge("pdserve_kv_pairs", "Open (prefill, decode) transfer pairs", registry=registry)
+
+    def track_parked(self, num_handles: Callable[[], int], num_bytes: Callable[[], int]) -> None:
+        self.parked_handles.set_function(num_handles)
+        self.parked_bytes.set_function(num_bytes)

@@ -1,0 +1,89 @@
+"""Starts a prefill process: model, rendezvous store, registry, engine, gRPC and metrics servers.
+
+Lifecycle of the process: load the model -> host the KV rendezvous store -> serve (announce the
+ready line) -> on SIGTERM report NOT_SERVING, drain calls in flight, free what is parked, exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from datetime import timedelta
+
+from prometheus_client import CollectorRegistry
+
+from pdserve.config import PrefillConfig
+from pdserve.engine_model import load_engine_model
+from pdserve.grpc_server import ServiceServer, announce_ready, wait_for_stop_signal
+from pdserve.kv_layout import dtype_name
+from pdserve.kv_transport import host_store, transfer_device
+from pdserve.metrics_server import MetricsServer
+from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
+from prefill_service.engine import PrefillEngine
+from prefill_service.kv_registry import KvRegistry
+from prefill_service.kv_sender import KvSender
+from prefill_service.metrics import PrefillMetrics
+from prefill_service.servicer import PrefillServicer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+EXPIRY_INTERVAL_S = 0.25
+
+
+async def expire_leases(registry: KvRegistry, metrics: PrefillMetrics) -> None:
+    while True:
+        await asyncio.sleep(EXPIRY_INTERVAL_S)
+        for entry in registry.expire():
+            metrics.kv_expiries.inc()
+            logger.info("KV handle %s expired unpulled (%d bytes)", entry.handle_id.hex(), entry.num_bytes)
+
+
+async def serve(config: PrefillConfig) -> None:
+    engine_model = await asyncio.to_thread(load_engine_model, config.engine)
+    backend = config.transfer.backend_for(config.engine.device)
+    device = transfer_device(backend, engine_model.device)
+    timeout = timedelta(seconds=config.transfer.transfer_timeout_s)
+    instance_id = uuid.uuid4().hex
+    host = config.server.host
+    store = host_store(host, config.kv_port, timeout)
+
+    metrics = PrefillMetrics(CollectorRegistry())
+    registry = KvRegistry(config.lease_s)
+    metrics.track_parked(lambda: registry.num_parked, lambda: registry.num_bytes_parked)
+    sender = KvSender(instance_id, store, backend, engine_model.device, host, timeout, metrics)
+    engine = PrefillEngine(engine_model, device)
+
+    server = ServiceServer(host, config.server.port, [SERVICE_NAME])
+    handle_template = kv_pb2.KvHandle(
+        prefill_address=server.address,
+        prefill_instance_id=instance_id,
+        rendezvous_address=f"{host}:{store.port}",
+        backend=backend,
+        model_fingerprint=engine_model.fingerprint,
+        rank=0,
+    )
+    logger.info("KV layout %s, dtype %s", engine_model.kv_layout, dtype_name(engine_model.kv_layout.dtype))
+    servicer = PrefillServicer(engine_model, engine, registry, sender, metrics, handle_template)
+    prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server.server)
+    metrics_server = MetricsServer(host, config.server.metrics_port, metrics.registry)
+    await server.start()
+    expiry = asyncio.create_task(expire_leases(registry, metrics))
+    announce_ready(
+        "prefill",
+        grpc=server.address,
+        metrics=metrics_server.address,
+        kv_rendezvous=f"{host}:{store.port}",
+    )
+    await wait_for_stop_signal()
+    logger.info("draining prefill (grace %.1fs)", config.server.grace_s)
+    await server.drain(config.server.grace_s)
+    expiry.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await expiry
+    sender.close()
+    engine.close()
+    metrics_server.close()
+    logger.info("prefill stopped")

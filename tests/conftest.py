@@ -1,0 +1,120 @@
+"""Shared fixtures: a preset cache per session, one real stack per model, reference models."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pdserve.model_source import resolve_model_dir
+from tests.stack import Stack, scrape, wait_for
+
+torch.set_num_threads(1)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PRESETS = ("tiny-llama", "tiny-moe", "tiny-mla-moe")
+EOS_PROMPT = [5, 17, 99, 230, 41, 7, 64]
+
+
+def first_greedy_token(model: Any, prompt: list[int]) -> int:
+    with torch.no_grad():
+        return int(model(torch.tensor([prompt])).logits[0, -1].argmax())
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("pdserve-cache")
+
+
+class StackPool:
+    def __init__(self, cache_dir: Path, log_root: Path) -> None:
+        self._cache_dir = cache_dir
+        self._log_root = log_root
+        self.stacks: dict[str, Stack] = {}
+
+    def get(self, model: str) -> Stack:
+        if model not in self.stacks:
+            self.stacks[model] = Stack(model, self._cache_dir, self._log_root / model).start()
+        return self.stacks[model]
+
+    def stop(self) -> None:
+        for stack in self.stacks.values():
+            stack.stop()
+
+
+@pytest.fixture(scope="session")
+def stack_pool(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackPool]:
+    pool = StackPool(cache_dir, tmp_path_factory.mktemp("stack-logs"))
+    yield pool
+    pool.stop()
+
+
+def assert_no_leaks(stack: Stack, timeout_s: float = 15.0) -> None:
+    """No parked KV, no send in flight, nothing running or waiting in decode."""
+
+    def clean() -> bool:
+        for prefill in stack.prefills:
+            m = scrape(prefill.metrics)
+            if m["pdserve_kv_parked_handles"] or m["pdserve_kv_parked_bytes"]:
+                return False
+        for decode in stack.decodes:
+            m = scrape(decode.metrics)
+            if m["pdserve_decode_running"] or m["pdserve_decode_waiting"]:
+                return False
+        return True
+
+    assert wait_for(clean, timeout_s), "KV left parked or requests left running after the test"
+
+
+@pytest.fixture(autouse=True)
+def leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "stack_pool" in request.fixturenames:
+        pool: StackPool = request.getfixturevalue("stack_pool")
+        for stack in pool.stacks.values():
+            assert_no_leaks(stack)
+
+
+@pytest.fixture(scope="session")
+def reference_models(cache_dir: Path) -> Callable[[str], tuple[Any, Any]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pdserve.model_source import resolve_model_dir
+
+    loaded: dict[str, tuple[Any, Any]] = {}
+
+    def get(model: str) -> tuple[Any, Any]:
+        if model not in loaded:
+            path = resolve_model_dir(model, cache_dir)
+            loaded[model] = (
+                AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+                AutoTokenizer.from_pretrained(path),
+            )
+        return loaded[model]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def eos_stack(cache_dir: Path, reference_models: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """tiny-llama with its EOS set to the greedy first token of EOS_PROMPT, and 1 s leases."""
+    model, _ = reference_models("tiny-llama")
+    eos = first_greedy_token(model, EOS_PROMPT)
+    model_dir = tmp_path_factory.mktemp("eos-model") / "tiny-llama-eos"
+    shutil.copytree(resolve_model_dir("tiny-llama", cache_dir), model_dir)
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        data = json.loads(path.read_text())
+        data["eos_token_id"] = eos
+        path.write_text(json.dumps(data))
+    stack = Stack(
+        str(model_dir), cache_dir, tmp_path_factory.mktemp("eos-logs"), prefill_args=["--lease-s", "1"]
+    ).start()
+    yield stack, eos
+    stack.stop()
