@@ -66,6 +66,13 @@ def env_names(cls: type) -> list[str]:
     return [o.env_var for o in options(cls)]
 
 
+def _parse_flag(option: Option, text: str) -> Any:
+    try:
+        return _parse(option, text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _parse(option: Option, text: str) -> Any:
     origin = typing.get_origin(option.type)
     if origin is tuple:
@@ -93,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, env: Mapping[str, 
         parser.add_argument(
             option.flag,
             dest=option.name,
-            type=functools.partial(_parse, option),
+            type=functools.partial(_parse_flag, option),
             default=default,
             help=f"{option.help} (env {option.env_var}; default: {shown!r})",
         )

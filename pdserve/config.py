@@ -6,6 +6,8 @@ Every field is also read from the environment as ``PDSERVE_<FIELD NAME IN UPPER 
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -20,8 +22,13 @@ def _check_port(name: str, value: int) -> None:
 
 def _check_address(name: str, value: str) -> None:
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"{name} must look like HOST:PORT, got {value!r}")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{name} addresses must look like HOST:PORT with a port in [1, 65535], got {value!r}")
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must not be empty")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -62,8 +69,7 @@ class TransferConfig:
     def __post_init__(self) -> None:
         if self.kv_backend not in BACKENDS:
             raise ValueError(f"kv_backend must be one of {BACKENDS}, got {self.kv_backend!r}")
-        if self.transfer_timeout_s <= 0:
-            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        _check_positive("transfer_timeout_s", self.transfer_timeout_s)
 
     def backend_for(self, device: str) -> str:
         if self.kv_backend != "auto":
@@ -85,8 +91,8 @@ class ServerConfig:
             raise ValueError("host must not be empty")
         _check_port("port", self.port)
         _check_port("metrics_port", self.metrics_port)
-        if self.grace_s < 0:
-            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
+            raise ValueError(f"grace_s must be a finite number >= 0, got {self.grace_s}")
 
 
 @dataclass(frozen=True)
@@ -99,8 +105,7 @@ class PrefillConfig:
 
     def __post_init__(self) -> None:
         _check_port("kv_port", self.kv_port)
-        if self.lease_s <= 0:
-            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        _check_positive("lease_s", self.lease_s)
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,9 @@ class GatewayConfig:
             raise ValueError("at least one prefill address is required (--prefill / PDSERVE_PREFILL)")
         if not self.decode:
             raise ValueError("at least one decode address is required (--decode / PDSERVE_DECODE)")
-        for address in (*self.prefill, *self.decode):
-            _check_address("address", address)
+        for address in self.prefill:
+            _check_address("prefill", address)
+        for address in self.decode:
+            _check_address("decode", address)
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")

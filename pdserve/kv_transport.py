@@ -117,7 +117,7 @@ class PairChannel:
         with self._lock:
             if self._state != ChannelState.BROKEN:
                 self._state = ChannelState.CLOSED
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor.shutdown(wait=False)  # queued operations fail fast with TransferError
 
     def _submit(self, op: str, buf: torch.Tensor) -> concurrent.futures.Future[None]:
         if buf.device != self.device:

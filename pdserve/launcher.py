@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import json
@@ -220,25 +219,28 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-def death_signal_preexec(parent_pid: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get SIGTERM when its parent dies (Linux; else None).
+# Run as ``python -I -S -c CODE PARENT_PID ARGV...``: asks the kernel for SIGTERM when the parent
+# dies, then becomes ARGV (the setting survives execve). Not a ``preexec_fn``: that forks a copy of
+# the supervisor and runs Python in it, which aborts in gRPC's fork handlers once the supervisor
+# has used gRPC (health checks, the demo); without one, subprocess uses vfork and runs nothing.
+_EXEC_WITH_PARENT_DEATH_SIGNAL = (
+    "import ctypes, os, signal, sys\n"
+    f"ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, int(signal.SIGTERM))\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('pdserve up: the supervisor died before this child started')\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
-    The kernel ties this to the parent *thread* that forked the child, so children must be
+
+def with_parent_death_signal(argv: Sequence[str], parent_pid: int) -> list[str]:
+    """``argv`` run so that it gets SIGTERM when ``parent_pid`` dies (Linux; elsewhere ``argv``).
+
+    The kernel ties this to the parent *thread* that started the child, so children must be
     spawned from a thread that lives as long as the supervisor.
     """
     if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
+        return list(argv)
+    return [sys.executable, "-I", "-S", "-c", _EXEC_WITH_PARENT_DEATH_SIGNAL, str(parent_pid), *argv]
 
 
 def pdserve_executable() -> str:
@@ -362,9 +364,8 @@ class Supervisor:
         self._events: queue.Queue[_Event] = queue.Queue()
         self._children: list[_Child] = []
         self._stop_requests = 0
-        self._preexec = death_signal_preexec(os.getpid())
         self._demo: _Demo | None = None
-        # Set once the ready line is printed.
+        # Set once the ready line and the hint are printed.
         self.ready = threading.Event()
 
     # -- public -----------------------------------------------------------------------------
@@ -501,7 +502,6 @@ class Supervisor:
         line = {"ready": True, **self.endpoints()}
         self._stdout.write(json.dumps(line) + "\n")
         self._stdout.flush()
-        self.ready.set()
         address = self._address(self._children[-1])
         self._write_stderr(
             f"pdserve is up: gateway on {address} with {self.config.prefill_replicas} prefill and "
@@ -509,6 +509,7 @@ class Supervisor:
             f'  {pdserve_executable()} generate --address {address} "The capital of France is"\n'
             "Stop with Ctrl-C.\n"
         )
+        self.ready.set()
 
     def _monitor(self) -> int:
         config = self.config
@@ -620,7 +621,7 @@ class Supervisor:
         child.started_at = time.monotonic()
         logger.info("starting %s: %s", child.name, " ".join(argv))
         proc = subprocess.Popen(
-            argv,
+            with_parent_death_signal(argv, os.getpid()),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             text=True,
@@ -628,7 +629,6 @@ class Supervisor:
             errors="replace",
             bufsize=1,
             env=self._env,
-            preexec_fn=self._preexec,  # noqa: PLW1509 -- it only calls prctl (death_signal_preexec)
             process_group=0,
         )
         child.proc = proc

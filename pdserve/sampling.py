@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 _GOLDEN = 0x9E3779B97F4A7C15
-_MASK63 = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class SamplingParams:
 
 def mix_seed(seed: int, step: int) -> int:
     """The generator seed of one step of one request."""
-    return ((seed & _MASK63) ^ ((step + 1) * _GOLDEN)) & _MASK63
+    return (seed ^ ((step + 1) * _GOLDEN)) & _MASK64
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
@@ -61,8 +61,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
         raise ValueError("a sampled (temperature > 0) request needs a seed")
     scores = logits.float() / params.temperature
     if 0 < params.top_k < scores.numel():
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+        keep = torch.topk(scores, params.top_k).indices
+        scores = torch.full_like(scores, float("-inf")).scatter(0, keep, scores[keep])
     if params.top_p < 1:
         sorted_scores, order = torch.sort(scores, descending=True)
         cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)

@@ -165,10 +165,10 @@ def test_pack_copies_rather_than_aliases_the_cache(llama_layers: Layers) -> None
 def test_unpacked_views_alias_the_buffer() -> None:
     layout = KvLayout(keys=((1, 4),), values=((1, 4),), dtype=torch.float32)
     buf = torch.zeros(layout.num_bytes(2), dtype=torch.uint8)
-    (k, v), = unpack(buf, layout, 2)
+    ((k, v),) = unpack(buf, layout, 2)
     k.fill_(1.5)
     v.fill_(-2.0)
-    (k2, v2), = unpack(buf, layout, 2)
+    ((k2, v2),) = unpack(buf, layout, 2)
     assert torch.equal(k2, torch.full((1, 2, 4), 1.5))
     assert torch.equal(v2, torch.full((1, 2, 4), -2.0))
 
@@ -259,7 +259,7 @@ def test_num_bytes_of_a_float32_layout() -> None:
 
 def test_zero_tokens_unpack_to_empty_views() -> None:
     layout = KvLayout(keys=((2, 8),), values=((1, 4),), dtype=torch.float32)
-    (k, v), = unpack(torch.empty(0, dtype=torch.uint8), layout, 0)
+    ((k, v),) = unpack(torch.empty(0, dtype=torch.uint8), layout, 0)
     assert tuple(k.shape) == (2, 0, 8)
     assert tuple(v.shape) == (1, 0, 4)
 

@@ -110,7 +110,9 @@ def test_transfer_device() -> None:
 
 def test_a_channel_moves_host_tensors_under_gloo(stores: tuple[dist.TCPStore, dist.Store]) -> None:
     server, _ = stores
-    channel = PairChannel(server, pair_prefix("p", "d", 0), PREFILL_RANK, "gloo", torch.device("meta"), HOST, TIMEOUT)
+    channel = PairChannel(
+        server, pair_prefix("p", "d", 0), PREFILL_RANK, "gloo", torch.device("meta"), HOST, TIMEOUT
+    )
     try:
         assert channel.device == CPU
         assert channel.peer == DECODE_RANK
@@ -249,6 +251,21 @@ def test_close_makes_every_later_operation_fail(
         prefill.recv(torch.zeros(16, dtype=torch.uint8))
     prefill.close()  # idempotent
     assert prefill.state is ChannelState.CLOSED
+
+
+def test_close_during_a_wait_ends_it_by_the_timeout_and_stays_closed(
+    stores: tuple[dist.TCPStore, dist.Store], channels: list[PairChannel]
+) -> None:
+    prefill, _ = _pair(stores, channels)  # the decode side never connects
+    start = time.monotonic()
+    future = prefill.send(_payload(16, 0))
+    time.sleep(0.2)
+    prefill.close()
+    assert prefill.state is ChannelState.CLOSED
+    with pytest.raises(TransferError):
+        future.result(timeout=RESULT_S)
+    assert time.monotonic() - start < TIMEOUT_S + 3
+    assert prefill.state is ChannelState.CLOSED  # a failure after close() does not turn it broken
 
 
 def test_close_before_any_operation(stores: tuple[dist.TCPStore, dist.Store]) -> None:

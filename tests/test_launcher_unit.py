@@ -276,6 +276,19 @@ def test_service_command() -> None:
     assert "--device" not in flags and "--kv-port" not in flags
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_with_parent_death_signal_execs_the_command() -> None:
+    argv = [sys.executable, "-c", "import os, sys; print(os.getpid(), sys.argv[1:])", "a b", "--c"]
+    wrapped = launcher.with_parent_death_signal(argv, os.getpid())
+    proc = subprocess.run(wrapped, capture_output=True, text=True, timeout=30, check=True)
+    assert proc.stdout.split(" ", 1)[1] == "['a b', '--c']\n"
+    # A child whose supervisor is already gone does not start.
+    orphan = launcher.with_parent_death_signal(argv, 1 if os.getpid() != 1 else 2)
+    proc = subprocess.run(orphan, capture_output=True, text=True, timeout=30, check=False)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert "supervisor died" in proc.stderr
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

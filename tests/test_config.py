@@ -1,0 +1,359 @@
+"""Unit tests of pdserve.config (validation) and pdserve.cli_options (flags, environment, defaults)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from pdserve import cli_options
+from pdserve.cli_options import add_arguments, build, env_names, options
+from pdserve.config import (
+    DEFAULT_MODEL,
+    DecodeConfig,
+    EngineConfig,
+    GatewayConfig,
+    PrefillConfig,
+    ServerConfig,
+    TransferConfig,
+)
+
+ADDRS = {"prefill": ("127.0.0.1:1",), "decode": ("127.0.0.1:2",)}
+
+
+# --- validation ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "pattern"),
+    [
+        (EngineConfig, {"model": ""}, r"^model must not be empty$"),
+        (EngineConfig, {"device": "gpu"}, r"^device must be cpu or cuda\[:N\], got 'gpu'$"),
+        (EngineConfig, {"device": ""}, r"^device "),
+        (EngineConfig, {"dtype": "int8"}, r"^dtype must be one of .*got 'int8'$"),
+        (EngineConfig, {"threads": 0}, r"^threads must be >= 1, got 0$"),
+        (EngineConfig, {"max_model_len": -1}, r"^max_model_len must be >= 0, got -1$"),
+        (TransferConfig, {"kv_backend": "mpi"}, r"^kv_backend must be one of .*got 'mpi'$"),
+        (TransferConfig, {"transfer_timeout_s": 0.0}, r"^transfer_timeout_s must be a finite number > 0, got 0\.0$"),
+        (TransferConfig, {"transfer_timeout_s": -1.0}, r"^transfer_timeout_s "),
+        (ServerConfig, {"host": ""}, r"^host must not be empty$"),
+        (ServerConfig, {"port": -1}, r"^port must be in \[0, 65535\]"),
+        (ServerConfig, {"port": 65536}, r"^port must be in \[0, 65535\].*got 65536$"),
+        (ServerConfig, {"metrics_port": 70000}, r"^metrics_port must be in \[0, 65535\]"),
+        (ServerConfig, {"metrics_port": -5}, r"^metrics_port "),
+        (ServerConfig, {"grace_s": -0.5}, r"^grace_s must be a finite number >= 0, got -0\.5$"),
+        (PrefillConfig, {"kv_port": 65536}, r"^kv_port must be in \[0, 65535\]"),
+        (PrefillConfig, {"kv_port": -1}, r"^kv_port "),
+        (PrefillConfig, {"lease_s": float("nan")}, r"^lease_s must be a finite number > 0, got nan$"),
+        (TransferConfig, {"transfer_timeout_s": float("nan")}, r"^transfer_timeout_s must be a finite number > 0"),
+        (ServerConfig, {"grace_s": float("inf")}, r"^grace_s must be a finite number >= 0"),
+        (EngineConfig, {"device": "cudafoo"}, r"^device must be cpu or cuda\[:N\]"),
+        (GatewayConfig, {**ADDRS, "decode": ("h:99999",)}, r"^decode addresses must look like HOST:PORT"),
+        (PrefillConfig, {"lease_s": 0.0}, r"^lease_s must be a finite number > 0, got 0\.0$"),
+        (DecodeConfig, {"max_running": 0}, r"^max_running must be >= 1, got 0$"),
+        (
+            GatewayConfig,
+            {"decode": ADDRS["decode"]},
+            r"prefill address is required \(--prefill / PDSERVE_PREFILL\)",
+        ),
+        (
+            GatewayConfig,
+            {"prefill": ADDRS["prefill"]},
+            r"decode address is required \(--decode / PDSERVE_DECODE\)",
+        ),
+        (GatewayConfig, {**ADDRS, "max_model_len": -1}, r"^max_model_len must be >= 0, got -1$"),
+        (
+            GatewayConfig,
+            {**ADDRS, "prefill": ("nohost",)},
+            r"^prefill addresses must look like HOST:PORT with a port in \[1, 65535\], got 'nohost'$",
+        ),
+        (GatewayConfig, {**ADDRS, "prefill": (":80",)}, r"^prefill addresses must look like HOST:PORT with a port in \[1, 65535\], got ':80'$"),
+        (GatewayConfig, {**ADDRS, "decode": ("h:",)}, r"^decode addresses must look like HOST:PORT with a port in \[1, 65535\], got 'h:'$"),
+        (
+            GatewayConfig,
+            {**ADDRS, "decode": ("h:1", "h:x")},
+            r"^decode addresses must look like HOST:PORT with a port in \[1, 65535\], got 'h:x'$",
+        ),
+    ],
+)
+def test_invalid_values_name_the_field(cls: type, kwargs: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        cls(**kwargs)
+
+
+def test_boundary_values_are_valid() -> None:
+    assert ServerConfig(port=65535, metrics_port=0, grace_s=0.0).port == 65535
+    assert EngineConfig(device="cuda", dtype="bfloat16", max_model_len=0).device == "cuda"
+    assert EngineConfig(device="cuda:3").device == "cuda:3"
+    assert PrefillConfig(kv_port=65535, lease_s=0.001).kv_port == 65535
+    assert DecodeConfig(max_running=1).max_running == 1
+    gateway = GatewayConfig(prefill=("a:1", "b:2"), decode=("[::1]:3",))
+    assert gateway.prefill == ("a:1", "b:2")
+    assert gateway.server.port == 50051
+
+
+def test_defaults() -> None:
+    engine = EngineConfig()
+    assert (engine.model, engine.device, engine.dtype, engine.threads) == (DEFAULT_MODEL, "cpu", "auto", 1)
+    assert TransferConfig() == TransferConfig(kv_backend="auto", transfer_timeout_s=30.0)
+    assert ServerConfig() == ServerConfig(host="127.0.0.1", port=0, metrics_port=0, grace_s=5.0)
+    assert PrefillConfig().lease_s == 30.0
+    assert DecodeConfig().max_running == 64
+
+
+def test_backend_for() -> None:
+    auto = TransferConfig()
+    assert auto.backend_for("cpu") == "gloo"
+    assert auto.backend_for("cuda") == "nccl"
+    assert auto.backend_for("cuda:1") == "nccl"
+    assert TransferConfig(kv_backend="gloo").backend_for("cuda:0") == "gloo"
+    assert TransferConfig(kv_backend="nccl").backend_for("cpu") == "nccl"
+
+
+# --- flags, environment, defaults ----------------------------------------------------------------
+
+
+def _parse(cls: type, argv: list[str], env: dict[str, str]) -> Any:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, cls, env)
+    return build(cls, parser.parse_args(argv))
+
+
+def test_no_flags_and_no_env_give_the_dataclass_defaults() -> None:
+    assert _parse(PrefillConfig, [], {}) == PrefillConfig()
+    assert _parse(DecodeConfig, [], {}) == DecodeConfig()
+
+
+def test_flags_override_env_which_overrides_defaults() -> None:
+    env = {"PDSERVE_PORT": "7000", "PDSERVE_LEASE_S": "12.5", "PDSERVE_DEVICE": "cuda:1"}
+    config = _parse(PrefillConfig, ["--port", "7001", "--kv-backend", "gloo"], env)
+    assert config == PrefillConfig(
+        server=ServerConfig(port=7001),  # flag over env
+        engine=EngineConfig(device="cuda:1"),  # env over default
+        transfer=TransferConfig(kv_backend="gloo"),  # flag over default
+        lease_s=12.5,  # env over default
+    )
+    assert isinstance(config.server.port, int)
+    assert isinstance(config.lease_s, float)
+
+
+def test_every_leaf_field_has_a_flag() -> None:
+    argv = [
+        "--host", "0.0.0.0", "--port", "1", "--metrics-port", "2", "--grace-s", "0.5",
+        "--model", "m", "--device", "cuda:0", "--dtype", "float16", "--threads", "3",
+        "--max-model-len", "128", "--cache-dir", "/c",
+        "--kv-backend", "nccl", "--transfer-timeout-s", "4",
+        "--kv-port", "5", "--lease-s", "6",
+    ]  # fmt: skip
+    assert _parse(PrefillConfig, argv, {}) == PrefillConfig(
+        server=ServerConfig(host="0.0.0.0", port=1, metrics_port=2, grace_s=0.5),
+        engine=EngineConfig(
+            model="m", device="cuda:0", dtype="float16", threads=3, max_model_len=128, cache_dir="/c"
+        ),
+        transfer=TransferConfig(kv_backend="nccl", transfer_timeout_s=4.0),
+        kv_port=5,
+        lease_s=6.0,
+    )
+
+
+def test_env_names_every_leaf_field() -> None:
+    env = {
+        "PDSERVE_HOST": "h",
+        "PDSERVE_PORT": "1",
+        "PDSERVE_METRICS_PORT": "2",
+        "PDSERVE_GRACE_S": "3",
+        "PDSERVE_MODEL": "m",
+        "PDSERVE_DEVICE": "cuda",
+        "PDSERVE_DTYPE": "float32",
+        "PDSERVE_THREADS": "4",
+        "PDSERVE_MAX_MODEL_LEN": "5",
+        "PDSERVE_CACHE_DIR": "/d",
+        "PDSERVE_KV_BACKEND": "gloo",
+        "PDSERVE_TRANSFER_TIMEOUT_S": "6",
+        "PDSERVE_MAX_RUNNING": "7",
+        "OTHER_PORT": "9",
+    }
+    assert _parse(DecodeConfig, [], env) == DecodeConfig(
+        server=ServerConfig(host="h", port=1, metrics_port=2, grace_s=3.0),
+        engine=EngineConfig(
+            model="m", device="cuda", dtype="float32", threads=4, max_model_len=5, cache_dir="/d"
+        ),
+        transfer=TransferConfig(kv_backend="gloo", transfer_timeout_s=6.0),
+        max_running=7,
+    )
+
+
+def test_add_arguments_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_MAX_RUNNING", "9")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, DecodeConfig)
+    assert build(DecodeConfig, parser.parse_args([])).max_running == 9
+
+
+def test_an_explicit_env_mapping_replaces_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_MAX_RUNNING", "9")
+    assert _parse(DecodeConfig, [], {}).max_running == 64
+
+
+def test_tuples_are_comma_separated_in_flags_and_env() -> None:
+    env = {"PDSERVE_PREFILL": " a:1 , b:2,, ", "PDSERVE_DECODE": "c:3"}
+    config = _parse(GatewayConfig, [], env)
+    assert config.prefill == ("a:1", "b:2")
+    assert config.decode == ("c:3",)
+    config = _parse(GatewayConfig, ["--decode", "d:4,e:5"], env)
+    assert config.prefill == ("a:1", "b:2")
+    assert config.decode == ("d:4", "e:5")
+    assert config.server.port == 50051  # the gateway's own default
+
+
+def test_a_gateway_without_addresses_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"prefill address is required"):
+        _parse(GatewayConfig, [], {})
+    with pytest.raises(ValueError, match=r"decode address is required"):
+        _parse(GatewayConfig, ["--prefill", "a:1"], {"PDSERVE_DECODE": " , "})
+
+
+@pytest.mark.parametrize(
+    ("env", "pattern"),
+    [
+        ({"PDSERVE_PORT": "abc"}, r"^port must be int, got 'abc'$"),
+        ({"PDSERVE_LEASE_S": "soon"}, r"^lease_s must be float, got 'soon'$"),
+        ({"PDSERVE_THREADS": "1.5"}, r"^threads must be int, got '1\.5'$"),
+    ],
+)
+def test_unparsable_env_values_name_the_field(env: dict[str, str], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        add_arguments(argparse.ArgumentParser(), PrefillConfig, env)
+
+
+def test_invalid_env_values_fail_validation_with_the_field_name() -> None:
+    with pytest.raises(ValueError, match=r"^port must be in \[0, 65535\]"):
+        _parse(PrefillConfig, [], {"PDSERVE_PORT": "70000"})
+    with pytest.raises(ValueError, match=r"^kv_backend must be one of"):
+        _parse(PrefillConfig, [], {"PDSERVE_KV_BACKEND": "mpi"})
+
+
+def test_invalid_flag_values_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _parse(PrefillConfig, ["--port", "abc"], {})
+    assert exc.value.code == 2
+    assert "--port" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^lease_s must be a finite number > 0, got -1\.0$"):
+        _parse(PrefillConfig, ["--lease-s", "-1"], {})
+
+
+def test_help_shows_the_env_var_and_the_effective_default() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, GatewayConfig, {"PDSERVE_PREFILL": "a:1,b:2"})
+    text = parser.format_help()
+    assert "PDSERVE_PREFILL" in text
+    assert "'a:1,b:2'" in text
+    assert "--metrics-port" in text
+
+
+# --- a custom dataclass: bools and tuples --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Inner:
+    flag_on: bool = False
+    names: tuple[str, ...] = ("x",)
+
+
+@dataclass(frozen=True)
+class _Outer:
+    inner: _Inner = field(default_factory=_Inner)
+    count: int = field(default=2, metadata={"help": "how many"})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1", True),
+        ("true", True),
+        ("YES", True),
+        ("on", True),
+        ("0", False),
+        ("False", False),
+        ("off", False),
+        ("", False),
+    ],
+)
+def test_booleans(text: str, expected: bool) -> None:
+    assert _parse(_Outer, [], {"PDSERVE_FLAG_ON": text}).inner.flag_on is expected
+    assert _parse(_Outer, ["--flag-on", text], {}).inner.flag_on is expected
+
+
+def test_an_invalid_boolean_names_the_field() -> None:
+    with pytest.raises(ValueError, match=r"^flag_on must be a boolean, got 'maybe'$"):
+        add_arguments(argparse.ArgumentParser(), _Outer, {"PDSERVE_FLAG_ON": "maybe"})
+
+
+def test_options_walk_nested_fields_depth_first() -> None:
+    opts = list(options(_Outer))
+    assert [o.path for o in opts] == [("inner", "flag_on"), ("inner", "names"), ("count",)]
+    assert [o.flag for o in opts] == ["--flag-on", "--names", "--count"]
+    assert [o.env_var for o in opts] == ["PDSERVE_FLAG_ON", "PDSERVE_NAMES", "PDSERVE_COUNT"]
+    assert [o.default for o in opts] == [False, ("x",), 2]
+    assert opts[2].help == "how many"
+    assert _parse(_Outer, [], {"PDSERVE_NAMES": "a,b"}) == _Outer(inner=_Inner(names=("a", "b")))
+    assert _parse(_Outer, ["--names", ""], {}) == _Outer(inner=_Inner(names=()))
+
+
+# --- env_names -----------------------------------------------------------------------------------
+
+SERVER_ENV = ["PDSERVE_HOST", "PDSERVE_PORT", "PDSERVE_METRICS_PORT", "PDSERVE_GRACE_S"]
+ENGINE_ENV = [
+    "PDSERVE_MODEL",
+    "PDSERVE_DEVICE",
+    "PDSERVE_DTYPE",
+    "PDSERVE_THREADS",
+    "PDSERVE_MAX_MODEL_LEN",
+    "PDSERVE_CACHE_DIR",
+]
+TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S"]
+
+
+@pytest.mark.parametrize(
+    ("cls", "expected"),
+    [
+        (ServerConfig, SERVER_ENV),
+        (EngineConfig, ENGINE_ENV),
+        (TransferConfig, TRANSFER_ENV),
+        (PrefillConfig, [*SERVER_ENV, *ENGINE_ENV, *TRANSFER_ENV, "PDSERVE_KV_PORT", "PDSERVE_LEASE_S"]),
+        (DecodeConfig, [*SERVER_ENV, *ENGINE_ENV, *TRANSFER_ENV, "PDSERVE_MAX_RUNNING"]),
+        (
+            GatewayConfig,
+            [
+                *SERVER_ENV,
+                "PDSERVE_MODEL",
+                "PDSERVE_CACHE_DIR",
+                "PDSERVE_MAX_MODEL_LEN",
+                "PDSERVE_PREFILL",
+                "PDSERVE_DECODE",
+            ],
+        ),
+    ],
+)
+def test_env_names(cls: type, expected: list[str]) -> None:
+    names = env_names(cls)
+    assert names == expected
+    assert len(set(names)) == len(names)
+    assert all(n.startswith(cli_options.ENV_PREFIX) and n == n.upper() for n in names)
+
+
+@pytest.mark.parametrize("cls", [PrefillConfig, DecodeConfig, GatewayConfig])
+def test_leaf_field_names_are_unique_so_flags_map_back_to_fields(cls: type) -> None:
+    def leaves(kind: type) -> list[str]:
+        out: list[str] = []
+        for f in dataclasses.fields(kind):
+            sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            out += leaves(type(sub)) if dataclasses.is_dataclass(sub) else [f.name]
+        return out
+
+    names = leaves(cls)
+    assert len(set(names)) == len(names)
+    assert env_names(cls) == ["PDSERVE_" + n.upper() for n in names]

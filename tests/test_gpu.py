@@ -1,0 +1,121 @@
+"""CUDA paths: the engines on a GPU, KV packing on the device, NCCL pairs. Skipped without CUDA.
+
+Run them with `scripts/gpu_check.sh` on a machine with a GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine_model import load_engine_model
+from pdserve.kv_layout import pack, unpack
+from pdserve.kv_transport import PairChannel, connect_store, host_store, pair_prefix
+from tests.conftest import PRESETS
+from tests.grpc_client import generate_many, make_request
+from tests.stack import Stack
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("model_name", PRESETS)
+def test_kv_pack_on_device_round_trips(model_name: str, cache_dir: Path) -> None:
+    from transformers import DynamicCache
+
+    m = load_engine_model(EngineConfig(model=model_name, device="cuda:0", cache_dir=str(cache_dir)))
+    cache = DynamicCache(config=m.model.config)
+    ids = torch.randint(0, m.limits.vocab_size, (2, 9), device=m.device)
+    with torch.inference_mode():
+        m.model(input_ids=ids, cache=cache, use_cache=True)
+    layers = [(layer.keys, layer.values) for layer in cache.layers]
+    buf = pack(layers, m.kv_layout, row=1, start=2, num_tokens=7, device=m.device)
+    assert buf.device == m.device
+    for (k, v), (kd, vd) in zip(layers, unpack(buf, m.kv_layout, 7), strict=True):
+        assert kd.device == m.device and torch.equal(kd, k[1, :, 2:9])
+        assert torch.equal(vd, v[1, :, 2:9])
+
+
+@pytest.mark.parametrize("model_name", PRESETS)
+def test_stack_on_cuda_matches_generate(model_name: str, cache_dir: Path, tmp_path: Path) -> None:
+    """Prefill and decode on the GPU (KV staged through host memory over gloo on one GPU)."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.model_source import resolve_model_dir
+
+    device_args = ["--device", "cuda:0", "--dtype", "float32", "--kv-backend", "gloo"]
+    stack = Stack(model_name, cache_dir, tmp_path, prefill_args=device_args, decode_args=device_args).start()
+    try:
+        model = (
+            AutoModelForCausalLM.from_pretrained(resolve_model_dir(model_name, cache_dir)).to("cuda:0").eval()
+        )
+        prompts = [list(range(3, 3 + n)) for n in (1, 17, 120)]
+        results = asyncio.run(
+            generate_many(
+                stack.address,
+                [
+                    make_request(prompt_token_ids=p, max_tokens=24, temperature=0.0, ignore_eos=True)
+                    for p in prompts
+                ],
+            )
+        )
+        for prompt, result in zip(prompts, results, strict=True):
+            ids = torch.tensor([prompt], device="cuda:0")
+            ref = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+            assert result.token_ids == ref[0, len(prompt) :].tolist()
+    finally:
+        stack.stop()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL pairs need two GPUs")
+def test_nccl_pair_moves_device_buffers_in_order() -> None:
+    timeout = timedelta(seconds=60)
+    store = host_store("127.0.0.1", 0, timeout)
+    prefix = pair_prefix("p", "d", 1)
+    sender = PairChannel(store, prefix, 0, "nccl", torch.device("cuda:0"), "127.0.0.1", timeout)
+    receiver = PairChannel(
+        connect_store(f"127.0.0.1:{store.port}", timeout),
+        prefix,
+        1,
+        "nccl",
+        torch.device("cuda:1"),
+        "127.0.0.1",
+        timeout,
+    )
+    sizes = (1 << 10, 1 << 20, 3 << 20)
+    sent = [torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda:0") for n in sizes]
+    received = [torch.empty(n, dtype=torch.uint8, device="cuda:1") for n in sizes]
+    futures: list[Any] = []
+    for s, r in zip(sent, received, strict=True):
+        futures += [sender.send(s), receiver.recv(r)]
+    for f in futures:
+        f.result(timeout=120)
+    for s, r in zip(sent, received, strict=True):
+        assert torch.equal(s.cpu(), r.cpu())
+    sender.close()
+    receiver.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL stack needs two GPUs")
+def test_full_stack_over_nccl(cache_dir: Path, tmp_path: Path) -> None:
+    stack = Stack(
+        "tiny-llama",
+        cache_dir,
+        tmp_path,
+        prefill_args=["--device", "cuda:0", "--dtype", "float32"],
+        decode_args=["--device", "cuda:1", "--dtype", "float32"],
+    ).start()
+    try:
+        request = make_request(prompt_token_ids=[5, 6, 7], max_tokens=16, temperature=0.0, ignore_eos=True)
+        results = asyncio.run(generate_many(stack.address, [request]))
+        assert len(results[0].token_ids) == 16
+    finally:
+        stack.stop()
