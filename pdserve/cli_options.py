@@ -97,12 +97,15 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, env: Mapping[str, 
         if option.env_var in env:
             default = _parse(option, env[option.env_var])
         shown = ",".join(default) if isinstance(default, tuple) else default
+        # A bare boolean flag means true; `--flag false` also works.
         parser.add_argument(
             option.flag,
             dest=option.name,
             type=functools.partial(_parse_flag, option),
             default=default,
             help=f"{option.help} (env {option.env_var}; default: {shown!r})",
+            nargs="?" if option.type is bool else None,
+            const=True if option.type is bool else None,
         )
 
 

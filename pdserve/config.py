@@ -23,7 +23,9 @@ def _check_port(name: str, value: int) -> None:
 def _check_address(name: str, value: str) -> None:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"{name} addresses must look like HOST:PORT with a port in [1, 65535], got {value!r}")
+        raise ValueError(
+            f"{name} addresses must look like HOST:PORT with a port in [1, 65535], got {value!r}"
+        )
 
 
 def _check_positive(name: str, value: float) -> None:

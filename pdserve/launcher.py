@@ -759,11 +759,6 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     Boolean flags also work bare: ``--demo`` means ``--demo true``.
     """
     cli_options.add_arguments(parser, UpConfig)
-    for option in cli_options.options(UpConfig):
-        if option.type is bool:
-            action = parser._option_string_actions[option.flag]
-            action.nargs = "?"
-            action.const = True
 
 
 def run_up_from_args(args: argparse.Namespace) -> int:

@@ -65,7 +65,14 @@ async def serve(config: PrefillConfig) -> None:
         model_fingerprint=engine_model.fingerprint,
         rank=0,
     )
-    logger.info("KV layout %s, dtype %s", engine_model.kv_layout, dtype_name(engine_model.kv_layout.dtype))
+    layout = engine_model.kv_layout
+    logger.info(
+        "KV: %d layers, %s, %d bytes per token, backend %s",
+        layout.num_layers,
+        dtype_name(layout.dtype),
+        layout.bytes_per_token(),
+        backend,
+    )
     servicer = PrefillServicer(engine_model, engine, registry, sender, metrics, handle_template)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server.server)
     metrics_server = MetricsServer(host, config.server.metrics_port, metrics.registry)

@@ -155,8 +155,12 @@ class Fakes:
 
 
 @pytest.fixture
-def fakes(tmp_path: Path) -> Fakes:
-    return Fakes(tmp_path)
+def fakes(tmp_path: Path) -> Iterator[Fakes]:
+    fakes = Fakes(tmp_path)
+    yield fakes
+    for start in fakes.starts():  # a failed test must not leave children behind
+        if is_alive(start["pid"]):
+            os.kill(start["pid"], signal.SIGKILL)
 
 
 def is_alive(pid: int) -> bool:
@@ -620,9 +624,6 @@ def test_children_die_with_a_killed_supervisor(fakes: Fakes) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        for start in fakes.starts():
-            if is_alive(start["pid"]):
-                os.kill(start["pid"], signal.SIGKILL)
 
 
 # -- health client ------------------------------------------------------------------------------

@@ -1,0 +1,130 @@
+"""`pdserve up` and `pdserve generate` as a user runs them: real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.stack import REPO_ROOT, service_env, wait_for
+
+PDSERVE = [sys.executable, "-m", "pdserve"]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def health(address: str) -> str:
+    done = subprocess.run(
+        [*PDSERVE, "health", address], capture_output=True, text=True, cwd=REPO_ROOT, timeout=30
+    )
+    return done.stdout.strip()
+
+
+def generate_json(address: str, env: dict[str, str], *args: str) -> list[dict[str, Any]]:
+    done = subprocess.run(
+        [*PDSERVE, "generate", "--address", address, "--json", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+
+
+def test_up_serves_restarts_and_stops(cache_dir: Path, tmp_path: Path) -> None:
+    env = service_env(cache_dir)
+    log = (tmp_path / "up.log").open("w")
+    up = subprocess.Popen(
+        [*PDSERVE, "up", "--model", "tiny-llama", "--port", "0", "--restart-backoff-s", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        cwd=REPO_ROOT,
+        env=env,
+    )
+    try:
+        assert up.stdout is not None
+        ready = json.loads(up.stdout.readline())
+        assert ready["ready"] is True
+        gateway = ready["gateway"]["grpc"]
+        assert set(ready["gateway"]) >= {"grpc", "metrics", "pid"}
+        assert len(ready["prefill"]) == 1 and len(ready["decode"]) == 1
+        assert set(ready["prefill"][0]) >= {"grpc", "metrics", "kv_rendezvous", "pid"}
+        pids = [ready["gateway"]["pid"], ready["prefill"][0]["pid"], ready["decode"][0]["pid"]]
+        assert len(set(pids)) == 3 and all(pid_alive(p) for p in pids)
+
+        chunks = generate_json(
+            gateway, env, "--prompt-ids", "5,6,7", "--max-tokens", "6", "--temperature", "0"
+        )
+        first = [t for c in chunks for t in c["token_ids"]]
+        assert len(first) == 6 and chunks[-1]["finish_reason"] in ("length", "eos")
+
+        # kill -9 the decode: it comes back on the same address and the stack serves again.
+        decode = ready["decode"][0]
+        os.kill(decode["pid"], signal.SIGKILL)
+        assert wait_for(lambda: not pid_alive(decode["pid"]), 10)
+        assert wait_for(lambda: health(decode["grpc"]) == "SERVING", 120, 0.5), (
+            tmp_path / "up.log"
+        ).read_text()[-3000:]
+        again = generate_json(
+            gateway, env, "--prompt-ids", "5,6,7", "--max-tokens", "6", "--temperature", "0"
+        )
+        assert [t for c in again for t in c["token_ids"]] == first
+        assert "restart" in (tmp_path / "up.log").read_text().lower()
+
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+        assert wait_for(lambda: not any(pid_alive(p) for p in pids[:2]), 10), "children outlived pdserve up"
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        log.close()
+
+
+def test_generate_streams_plain_text(stack_pool: Any) -> None:
+    stack = stack_pool.get("tiny-llama")
+    done = subprocess.run(
+        [
+            *PDSERVE,
+            "generate",
+            "--address",
+            stack.address,
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "12",
+            "Hello",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.endswith("\n") and len(done.stdout.strip()) > 0
+    bad = subprocess.run(
+        [*PDSERVE, "generate", "--address", stack.address, "--prompt-ids", "1,999999"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+    assert bad.returncode == 1
+    assert "INVALID_ARGUMENT" in bad.stderr and "prompt_token_ids[1]" in bad.stderr
