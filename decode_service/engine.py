@@ -1,17 +1,21 @@
-"""The decode engine: a step loop on its own thread over the running set of requests.
+"""The decode engine: continuous batching over a paged KV pool, on its own thread.
 
 Lifecycle of a request here:
-1. the servicer submits it with the KV pulled from the prefill; it waits while the running set is
-   full (``max_running``);
-2. it joins the running set at the next step: its cache is rebuilt from the received tensors;
-3. at every step it advances by one token: forward of its last token with its cache, sample at
-   its step index, check whether it is complete;
-4. each token is handed to the servicer's stream at once; the request leaves the running set the
-   step it finishes, or the step after it is cancelled.
+1. the servicer submits it with the KV pulled from the prefill (transfers run elsewhere, so a
+   step never waits for another request's transfer);
+2. it waits until the running set has room (``max_running``) and the pool can reserve every
+   block it may need (prompt + max_tokens - 1 positions); a full pool makes it wait, not fail;
+3. admitted at the start of a step, its KV is copied into its own blocks (nothing else moves)
+   and it joins the running set;
+4. every step runs all running requests in one forward: each row feeds its last token at its own
+   position, attends to its own context through the step cache, and samples at its own step;
+5. each new token is handed to the servicer's stream at once; a request leaves the running set
+   (and frees its blocks) the step it finishes, or the step after it is cancelled.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -19,9 +23,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
+from decode_service.kv_pool import KvPool
 from decode_service.metrics import DecodeMetrics
+from decode_service.step_cache import StepCache, StepLayer
 from pdserve.engine_model import EngineModel
 from pdserve.finish import finish_reason
 from pdserve.sampling import SamplingParams, sample
@@ -42,98 +47,171 @@ class DecodeSequence:
     cancelled: threading.Event = field(default_factory=threading.Event)
     num_generated: int = 1
     last_token_id: int = -1
-    cache: DynamicCache | None = None
+    num_cached: int = 0  # positions whose KV is in the pool
+    blocks: list[int] = field(default_factory=list)
 
     def cancel(self) -> None:
         self.cancelled.set()
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self.kv[0][0].shape[1]) if self.kv else self.num_cached
+
+    def max_cached_tokens(self) -> int:
+        """Positions this request may ever write: the prompt, then every token but the last."""
+        return self.num_prompt_tokens + self.params.max_tokens - 1
+
 
 class DecodeEngine:
-    def __init__(self, engine_model: EngineModel, metrics: DecodeMetrics, max_running: int) -> None:
+    def __init__(
+        self, engine_model: EngineModel, metrics: DecodeMetrics, max_running: int, pool: KvPool
+    ) -> None:
         self._m = engine_model
         self._metrics = metrics
         self._max_running = max_running
-        self._waiting: queue.Queue[DecodeSequence | None] = queue.Queue()
+        self._pool = pool
+        self._inbox: queue.SimpleQueue[DecodeSequence | None] = queue.SimpleQueue()
+        self._waiting: collections.deque[DecodeSequence] = collections.deque()
         self._running: list[DecodeSequence] = []
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
+        self._mask_value = torch.finfo(engine_model.kv_layout.dtype).min
         metrics.running.set_function(lambda: len(self._running))
-        metrics.waiting.set_function(self._waiting.qsize)
+        metrics.waiting.set_function(lambda: len(self._waiting) + self._inbox.qsize())
+        metrics.kv_blocks_used.set_function(lambda: pool.num_used_blocks)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._stopped.set()
-        self._waiting.put(None)
+        self._inbox.put(None)
         self._thread.join(timeout=30)
 
     @property
     def num_running(self) -> int:
         return len(self._running)
 
-    @property
-    def num_waiting(self) -> int:
-        return self._waiting.qsize()
+    def fits_ever(self, num_tokens: int) -> bool:
+        return self._pool.blocks_for(num_tokens) <= self._pool.num_blocks
 
     def submit(self, seq: DecodeSequence) -> None:
         seq.last_token_id = seq.first_token_id
-        self._waiting.put(seq)
+        self._inbox.put(seq)
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         if self._m.device.type == "cuda":
             torch.cuda.set_device(self._m.device)
         while not self._stopped.is_set():
-            self._admit(block=not self._running)
-            for seq in list(self._running):
-                if seq.cancelled.is_set():
-                    self._running.remove(seq)
-                    continue
-                try:
-                    done = self._step(seq)
-                except Exception as exc:
-                    logger.exception("decode step failed for %s", seq.request_id)
-                    seq.emit([], None, exc)
-                    done = True
-                if done:
-                    self._running.remove(seq)
-            if self._running:
-                self._metrics.steps.inc()
-        for seq in self._running:
-            seq.emit([], None, RuntimeError("decode engine stopped"))
-        self._running.clear()
-
-    def _admit(self, block: bool) -> None:
-        while len(self._running) < self._max_running:
+            self._receive(block=not self._running and not self._waiting)
+            self._admit()
+            self._drop_cancelled()
+            if not self._running:
+                continue
             try:
-                seq = self._waiting.get(block=block)
+                self._step()
+            except Exception as exc:
+                logger.exception("decode step failed; failing its %d requests", len(self._running))
+                for seq in self._running:
+                    self._finish(seq, None, exc)
+                self._running.clear()
+        for seq in [*self._running, *self._waiting]:
+            seq.emit([], None, RuntimeError("decode engine stopped"))
+
+    def _receive(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(block=block, timeout=0.5 if block else None)
+        except queue.Empty:
+            return
+        while item is not None:
+            self._waiting.append(item)
+            try:
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if seq is None:
-                return
-            block = False
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self._max_running:
+            seq = self._waiting[0]
             if seq.cancelled.is_set():
+                self._waiting.popleft()
                 continue
             reason = finish_reason(seq.first_token_id, 1, seq.params, self._m.limits.eos_token_ids)
             if reason is not None:
+                self._waiting.popleft()
                 seq.emit([], reason, None)
                 continue
-            device = self._m.device
-            seq.cache = DynamicCache(
-                [(k.unsqueeze(0).to(device), v.unsqueeze(0).to(device)) for k, v in seq.kv],
-                config=self._m.model.config,
-            )
+            if not self._pool.can_allocate(seq.max_cached_tokens()):
+                return  # first come, first served: wait until running requests free blocks
+            self._waiting.popleft()
+            seq.blocks = self._pool.allocate(seq.max_cached_tokens())
+            seq.num_cached = self._pool.write(seq.blocks, seq.kv)
             seq.kv = ()
             self._running.append(seq)
 
-    def _step(self, seq: DecodeSequence) -> bool:
-        input_ids = torch.tensor([[seq.last_token_id]], dtype=torch.long, device=self._m.device)
-        out = self._m.model(input_ids=input_ids, cache=seq.cache, use_cache=True)
-        token = sample(out.logits[0, -1], seq.params, step=seq.num_generated)
-        seq.num_generated += 1
-        seq.last_token_id = token
-        reason = finish_reason(token, seq.num_generated, seq.params, self._m.limits.eos_token_ids)
-        self._metrics.generated_tokens.inc()
-        seq.emit([token], reason, None)
-        return reason is not None
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self._running if s.cancelled.is_set()]:
+            self._running.remove(seq)
+            self._pool.free(seq.blocks)
+            seq.blocks = []
+
+    def _step(self) -> None:
+        rows = self._running
+        device = self._m.device
+        pool = self._pool
+        lengths = torch.tensor([s.num_cached for s in rows], dtype=torch.long)
+        length = int(lengths.max()) + 1
+        table = torch.zeros((len(rows), pool.blocks_for(length)), dtype=torch.long)
+        for i, seq in enumerate(rows):
+            n = min(len(seq.blocks), table.shape[1])
+            table[i, :n] = torch.tensor(seq.blocks[:n])
+        positions = torch.arange(length)
+        gather = table[:, positions // pool.block_size] * pool.block_size + positions % pool.block_size
+        write = gather[torch.arange(len(rows)), lengths]
+        valid = positions[None, :] <= lengths[:, None]
+        mask = torch.zeros((len(rows), 1, 1, length), dtype=pool.layout.dtype)
+        mask.masked_fill_(~valid[:, None, None, :], self._mask_value)
+        cache = StepCache(
+            [
+                StepLayer(pool.keys[i], pool.values[i], write.to(device), gather.to(device))
+                for i in range(pool.layout.num_layers)
+            ]
+        )
+        input_ids = torch.tensor([[s.last_token_id] for s in rows], dtype=torch.long, device=device)
+        out = self._m.model(
+            input_ids=input_ids,
+            position_ids=lengths[:, None].to(device),
+            attention_mask=mask.to(device),
+            cache=cache,
+            use_cache=True,
+        )
+        logits = out.logits[:, -1]
+        tokens = self._sample(logits, rows)
+        self._metrics.steps.inc()
+        self._metrics.generated_tokens.inc(len(rows))
+        finished = []
+        for seq, token in zip(rows, tokens, strict=True):
+            seq.num_cached += 1
+            seq.num_generated += 1
+            seq.last_token_id = token
+            reason = finish_reason(token, seq.num_generated, seq.params, self._m.limits.eos_token_ids)
+            seq.emit([token], reason, None)
+            if reason is not None:
+                finished.append(seq)
+        for seq in finished:
+            self._running.remove(seq)
+            self._pool.free(seq.blocks)
+            seq.blocks = []
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[DecodeSequence]) -> list[int]:
+        greedy = logits.argmax(dim=-1).tolist()
+        return [
+            int(greedy[i]) if seq.params.is_greedy else sample(logits[i], seq.params, step=seq.num_generated)
+            for i, seq in enumerate(rows)
+        ]
+
+    def _finish(self, seq: DecodeSequence, reason: str | None, error: BaseException | None) -> None:
+        self._pool.free(seq.blocks)
+        seq.blocks = []
+        seq.emit([], reason, error)

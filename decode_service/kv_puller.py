@@ -5,10 +5,17 @@ Lifecycle of a pull:
    moves; a mismatch is FAILED_PRECONDITION;
 2. under the pair's lock: call PullKv on the prefill (NOT_FOUND when the handle is unknown or
    expired) and post the receive on the pair's channel. Lock plus shielding keep the order of
-   receives equal to the order of the prefill's sends even if the request is cancelled;
-3. wait (bounded) for the data; a failure breaks the channel and the next pull rebuilds the pair
-   under a new generation;
+   receives equal to the order of the prefill's sends even if the request is cancelled. A prefill
+   that tore this pair's generation down answers ABORTED with the lowest generation it takes
+   (before it touches the handle): the pair moves on to it and asks once more;
+3. wait (bounded) for the data. A PullKv that failed after the prefill may have posted its send
+   (deadline, lost connection), or a failed receive, closes the channel: the next pull rebuilds
+   the pair under a new generation, so the two sides never fall out of step;
 4. return views of every layer's keys and values inside the received buffer.
+
+Every wait is bounded by the transfer timeout: connecting to the prefill's store, the PullKv call
+and the receive. Failures on the prefill's side (dead or hung prefill, failed transfer) are
+ABORTED: the request can be run again from a new prefill.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -28,16 +36,34 @@ from decode_service.metrics import DecodeMetrics
 from pdserve.kv_layout import KvLayout, spec_from_proto, unpack
 from pdserve.kv_transport import (
     DECODE_RANK,
+    MIN_GENERATION_METADATA,
     PairChannel,
     TransferError,
     connect_store,
     pair_prefix,
     transfer_device,
+    transfer_threads,
 )
 from pdserve.rpc_errors import RpcError
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+MAX_CACHED_LAYOUTS = 4096  # token counts whose expected tensor specs are kept
+
+# PullKv answers after which the prefill has certainly not posted a send for this pull.
+_NOTHING_POSTED = (
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.ABORTED,
+)
+
+
+@dataclass(frozen=True)
+class PulledKv:
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    control_s: float  # compatibility check, PullKv call, receive posted
+    data_s: float  # receive posted -> every byte in
 
 
 @dataclass
@@ -75,6 +101,21 @@ class KvPuller:
         self._timeout = timeout
         self._metrics = metrics
         self._pairs: dict[str, _Pair] = {}
+        self._expected_tensors: dict[int, list[kv_pb2.TensorSpec]] = {}
+        self._receiving = 0
+        self._receiving_lock = threading.Lock()
+        metrics.kv_pairs.set_function(lambda: self.num_pairs)
+        metrics.kv_receives_in_flight.set_function(lambda: self._receiving)
+        metrics.kv_transfer_threads.set_function(transfer_threads)
+
+    @property
+    def num_pairs(self) -> int:
+        """Pairs with a usable channel (one per prefill this decode pulls from)."""
+        return sum(1 for p in list(self._pairs.values()) if p.channel is not None and p.channel.is_usable)
+
+    @property
+    def num_receiving(self) -> int:
+        return self._receiving
 
     def check_compatible(self, handle: kv_pb2.KvHandle) -> None:
         """Raises RpcError(FAILED_PRECONDITION) when this decode cannot use the handle's KV."""
@@ -88,6 +129,8 @@ class KvPuller:
             problem = f"KV backend {handle.backend!r} differs from this decode's {self._backend!r}"
         elif handle.num_tokens < 1:
             problem = "KV handle holds no tokens"
+        elif self._matches_layout(handle):
+            return
         else:
             try:
                 theirs = [spec_from_proto(t) for t in handle.tensors]
@@ -104,10 +147,26 @@ class KvPuller:
             self._metrics.kv_refused.inc()
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, problem)
 
+    def _matches_layout(self, handle: kv_pb2.KvHandle) -> bool:
+        """The fast path of the check: the handle's tensors and size are exactly the expected ones."""
+        expected = self._expected_tensors.get(handle.num_tokens)
+        if expected is None:
+            if len(self._expected_tensors) >= MAX_CACHED_LAYOUTS:
+                self._expected_tensors.clear()
+            expected = [spec.to_proto() for spec in self._layout.tensor_specs(handle.num_tokens)]
+            self._expected_tensors[handle.num_tokens] = expected
+        return (
+            handle.num_bytes == self._layout.num_bytes(handle.num_tokens) and list(handle.tensors) == expected
+        )
+
     async def pull(self, handle: kv_pb2.KvHandle) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The handle's KV as per-layer (keys, values) views ``[heads, T, width]``."""
-        self.check_compatible(handle)
+        return (await self.pull_timed(handle)).layers
+
+    async def pull_timed(self, handle: kv_pb2.KvHandle) -> PulledKv:
+        """``pull``, with the time spent in control (RPC) and in data (the receive)."""
         started = time.perf_counter()
+        self.check_compatible(handle)
         buf = torch.empty(
             handle.num_bytes, dtype=torch.uint8, device=transfer_device(self._backend, self._device)
         )
@@ -115,49 +174,102 @@ class KvPuller:
         posted = asyncio.ensure_future(self._post(handle, buf))
         try:
             future = await asyncio.shield(posted)
+            control_done = time.perf_counter()
             await asyncio.wrap_future(future)
         except TransferError as exc:
             self._metrics.kv_pull_failures.inc()
             raise RpcError(
-                grpc.StatusCode.UNAVAILABLE, f"KV transfer from {handle.prefill_address} failed: {exc}"
+                grpc.StatusCode.ABORTED, f"KV transfer from prefill {handle.prefill_address} failed: {exc}"
             ) from exc
         except grpc.aio.AioRpcError as exc:
             self._metrics.kv_pull_failures.inc()
             code = exc.code()
-            if code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
-                code = grpc.StatusCode.UNAVAILABLE
-            raise RpcError(code, f"PullKv on {handle.prefill_address}: {exc.details()}") from exc
+            if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                raise RpcError(code, f"PullKv on {handle.prefill_address}: {exc.details()}") from exc
+            raise RpcError(
+                grpc.StatusCode.ABORTED,
+                f"PullKv on prefill {handle.prefill_address} failed ({code.name}: {exc.details()})",
+            ) from exc
+        data_done = time.perf_counter()
         self._metrics.kv_pulls.inc()
         self._metrics.kv_received_bytes.inc(handle.num_bytes)
-        self._metrics.kv_pull_seconds.observe(time.perf_counter() - started)
-        return unpack(buf, self._layout, handle.num_tokens)
+        self._metrics.kv_pull_seconds.observe(data_done - started)
+        layers = unpack(buf, self._layout, handle.num_tokens)
+        return PulledKv(layers, control_done - started, data_done - control_done)
 
     async def _post(self, handle: kv_pb2.KvHandle, buf: torch.Tensor) -> concurrent.futures.Future[None]:
         pair = self._pair(handle)
         async with pair.lock:
-            if pair.store is None:
-                pair.store = await asyncio.to_thread(connect_store, pair.rendezvous_address, self._timeout)
-            if pair.channel is None or not pair.channel.is_usable:
-                if pair.channel is not None:
-                    pair.channel.close()
-                pair.generation += 1
-                pair.channel = PairChannel(
-                    pair.store,
-                    pair_prefix(handle.prefill_instance_id, self._instance_id, pair.generation),
-                    DECODE_RANK,
-                    self._backend,
-                    self._device,
-                    self._local_host,
-                    self._timeout,
+            response = None
+            for attempt in range(2):
+                channel = await self._channel(pair, handle)
+                request = prefill_pb2.PullKvRequest(
+                    handle_id=handle.id, decode_instance_id=self._instance_id, pair_generation=pair.generation
                 )
-            request = prefill_pb2.PullKvRequest(
-                handle_id=handle.id, decode_instance_id=self._instance_id, pair_generation=pair.generation
-            )
-            response = await pair.stub.PullKv(request, timeout=self._timeout.total_seconds())
+                try:
+                    response = await pair.stub.PullKv(request, timeout=self._timeout.total_seconds())
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in _NOTHING_POSTED:
+                        self._break(pair, f"PullKv failed: {exc.code().name}")
+                        raise
+                    minimum = _min_generation(exc)
+                    if exc.code() != grpc.StatusCode.ABORTED or minimum is None or attempt > 0:
+                        raise
+                    logger.info(
+                        "prefill %s retired pair generation %d; moving to %d",
+                        handle.prefill_address,
+                        pair.generation,
+                        minimum,
+                    )
+                    self._break(pair, "generation retired by the prefill")
+                    pair.generation = max(pair.generation, minimum - 1)
+            assert response is not None
             if response.num_bytes != buf.numel():
-                pair.channel.close()  # the prefill posted a send of another size: this pair is out of step
+                self._break(pair, "size mismatch")  # the prefill posted a send of another size
                 raise TransferError(f"prefill sends {response.num_bytes} bytes, expected {buf.numel()}")
-            return pair.channel.recv(buf)
+            future = channel.recv(buf)
+            with self._receiving_lock:
+                self._receiving += 1
+            future.add_done_callback(lambda f: self._received(channel, f))
+            return future
+
+    def _received(self, channel: PairChannel, future: concurrent.futures.Future[None]) -> None:
+        with self._receiving_lock:
+            self._receiving -= 1
+        if future.exception() is not None:
+            channel.close()  # broken already: let its thread go now
+
+    async def _channel(self, pair: _Pair, handle: kv_pb2.KvHandle) -> PairChannel:
+        """The pair's usable channel; a new generation when there is none (under the pair's lock)."""
+        if pair.channel is not None and pair.channel.is_usable:
+            return pair.channel
+        if pair.channel is not None:
+            pair.channel.close()
+        if pair.store is None:
+            try:
+                pair.store = await asyncio.to_thread(connect_store, pair.rendezvous_address, self._timeout)
+            except Exception as exc:
+                raise TransferError(f"cannot reach the KV store {pair.rendezvous_address}: {exc}") from exc
+        pair.generation += 1
+        pair.channel = PairChannel(
+            pair.store,
+            pair_prefix(handle.prefill_instance_id, self._instance_id, pair.generation),
+            DECODE_RANK,
+            self._backend,
+            self._device,
+            self._local_host,
+            self._timeout,
+        )
+        return pair.channel
+
+    def _break(self, pair: _Pair, why: str) -> None:
+        if pair.channel is not None:
+            logger.info(
+                "closing KV pair with %s (generation %d): %s", pair.prefill_address, pair.generation, why
+            )
+            pair.channel.close()
+            pair.channel = None
 
     def _pair(self, handle: kv_pb2.KvHandle) -> _Pair:
         pair = self._pairs.get(handle.prefill_instance_id)
@@ -178,3 +290,13 @@ class KvPuller:
                 pair.channel.close()
             await pair.grpc_channel.close()
         self._pairs.clear()
+
+
+def _min_generation(exc: grpc.aio.AioRpcError) -> int | None:
+    for key, value in exc.trailing_metadata() or ():
+        if key == MIN_GENERATION_METADATA:
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

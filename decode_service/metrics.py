@@ -30,6 +30,20 @@ class DecodeMetrics:
             buckets=TRANSFER_BUCKETS,
             registry=registry,
         )
+        self.kv_blocks_used = Gauge(
+            "pdserve_decode_kv_blocks_used", "KV pool blocks in use", registry=registry
+        )
+        self.kv_pairs = Gauge(
+            "pdserve_kv_pairs", "Open (prefill, decode) transfer pairs of this decode", registry=registry
+        )
+        self.kv_receives_in_flight = Gauge(
+            "pdserve_kv_receives_in_flight", "KV receives posted and not yet ended", registry=registry
+        )
+        self.kv_transfer_threads = Gauge(
+            "pdserve_kv_transfer_threads",
+            "Transfer threads alive (one per open pair when no transfer is ending)",
+            registry=registry,
+        )
         self.kv_refused = Counter(
             "pdserve_kv_refused", "KV handles refused as incompatible", registry=registry
         )

@@ -1,4 +1,8 @@
-"""Starts a decode process: model, engine thread, KV puller, gRPC and metrics servers."""
+"""Starts a decode process: model, engine thread, KV puller, gRPC and metrics servers.
+
+On SIGTERM it reports NOT_SERVING, refuses new Decode calls and lets the streams in flight finish
+within the grace period, then stops the engine and exits.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from datetime import timedelta
 from prometheus_client import CollectorRegistry
 
 from decode_service.engine import DecodeEngine
+from decode_service.kv_pool import KvPool
 from decode_service.kv_puller import KvPuller
 from decode_service.metrics import DecodeMetrics
 from decode_service.servicer import DecodeServicer
@@ -35,17 +40,31 @@ async def serve(config: DecodeConfig) -> None:
         engine_model.kv_layout,
         backend,
         engine_model.device,
-        config.server.host,
+        config.server.public_host,
         timeout,
         metrics,
     )
-    engine = DecodeEngine(engine_model, metrics, config.max_running)
+    pool = KvPool(
+        engine_model.kv_layout,
+        config.max_kv_tokens // config.kv_block_size,
+        config.kv_block_size,
+        engine_model.device,
+    )
+    engine = DecodeEngine(engine_model, metrics, config.max_running, pool)
     engine.start()
-    server = ServiceServer(config.server.host, config.server.port, [SERVICE_NAME])
+    server = ServiceServer(
+        config.server.host,
+        config.server.port,
+        [SERVICE_NAME],
+        work_methods=[f"/{SERVICE_NAME}/Decode"],
+        advertise_host=config.server.public_host,
+    )
     decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(engine, puller, metrics), server.server)
     metrics_server = MetricsServer(config.server.host, config.server.metrics_port, metrics.registry)
     await server.start()
-    announce_ready("decode", grpc=server.address, metrics=metrics_server.address)
+    announce_ready(
+        "decode", grpc=server.address, metrics=f"{config.server.public_host}:{metrics_server.port}"
+    )
     await wait_for_stop_signal()
     logger.info("draining decode (grace %.1fs)", config.server.grace_s)
     await server.drain(config.server.grace_s)

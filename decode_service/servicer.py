@@ -39,6 +39,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 raise ValueError("kv_handle is required")
         except ValueError as exc:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        needed = request.kv_handle.num_tokens + params.max_tokens - 1
+        if not self._engine.fits_ever(needed):
+            await abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the request needs {needed} KV positions, more than this decode's whole pool",
+            )
         try:
             kv = await self._puller.pull(request.kv_handle)
         except RpcError as exc:

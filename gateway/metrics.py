@@ -28,6 +28,18 @@ class GatewayMetrics:
         self.ttft_seconds = Histogram(
             "pdserve_gateway_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=registry
         )
+        self.retries = Counter(
+            "pdserve_gateway_retries",
+            "Request attempts run again after a prefill or decode failed, by the stage that failed",
+            ["stage"],
+            registry=registry,
+        )
+        self.backends_serving = Gauge(
+            "pdserve_gateway_backends_serving",
+            "Backends whose health check says SERVING",
+            ["role"],
+            registry=registry,
+        )
         self.generated_tokens = Counter(
             "pdserve_gateway_generated_tokens", "Tokens streamed to clients", registry=registry
         )

@@ -1,12 +1,23 @@
 """One request through the disaggregated path, as the gateway drives it.
 
 1. tokenize and validate the request; choose a seed when it samples without one;
-2. Prefill on the least-loaded prefill: its forward samples the first token and parks the KV;
+2. Prefill on the least-loaded serving prefill: its forward samples the first token and parks the KV;
 3. stream that first token to the client at once (detokenized, stop strings applied);
 4. if the request is complete at its first token, it ends here: decode is never called;
-5. otherwise Decode on the least-loaded decode with the KV handle, relaying its stream;
+5. otherwise Decode on the least-loaded serving decode with the KV handle, relaying its stream;
 6. a stop string ends the stream and cancels decode; if the request ends in any way before decode
    has pulled the KV (client cancel, error, stop), the KV is released on the prefill.
+
+Failures. An attempt fails when its call ends with UNAVAILABLE, DEADLINE_EXCEEDED or ABORTED, or
+when its backend stops answering health checks (the call is then cancelled). Up to MAX_ATTEMPTS
+per stage, the request runs again:
+- a failed Prefill runs on another prefill (nothing was streamed yet);
+- a failed Decode that has not streamed any token yet runs on another decode with the KV of a new
+  prefill. The first token already streamed stays: the prompt's KV does not depend on it. The KV
+  parked by the failed attempt is released. A decode that answers ABORTED could not get the KV
+  from its prefill: the new prefill is another one, and the same decode may run it.
+Once decode tokens have reached the client, the stream ends with UNAVAILABLE and a message saying
+how many tokens were delivered.
 """
 
 from __future__ import annotations
@@ -16,12 +27,14 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Collection
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 
-from gateway.backends import BackendPool
+from gateway.backend_health import BackendHealth
+from gateway.backends import Backend, BackendPool
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_input import PromptInput
 from gateway.text_stream import TextChunk, TextStream
@@ -33,7 +46,47 @@ from pdserve.v1 import decode_pb2, decode_pb2_grpc, gateway_pb2, kv_pb2, prefill
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+PrefillBackend = Backend[prefill_pb2_grpc.PrefillStub]
+DecodeBackend = Backend[decode_pb2_grpc.DecodeStub]
+
 RELEASE_TIMEOUT_S = 5.0
+MAX_ATTEMPTS = 3
+RETRIABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
+)
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, code: grpc.StatusCode, where: str, details: str, streamed: int = 0) -> None:
+        super().__init__(f"{where} failed ({code.name}: {details})")
+        self.code = code
+        self.where = where
+        self.details = details
+        self.streamed = streamed  # tokens this attempt streamed to the client
+
+    @property
+    def retriable(self) -> bool:
+        return self.code in RETRIABLE
+
+    def error(self, delivered: int) -> RpcError:
+        if self.code in (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.FAILED_PRECONDITION,
+            grpc.StatusCode.NOT_FOUND,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ):
+            return RpcError(self.code, self.details)
+        if self.code == grpc.StatusCode.CANCELLED:
+            return RpcError(self.code, f"{self.where} cancelled the request")
+        return RpcError(grpc.StatusCode.UNAVAILABLE, f"{self} after {delivered} tokens were delivered")
+
+
+@dataclass
+class _Parked:
+    prefill: PrefillBackend
+    handle: kv_pb2.KvHandle
+    pulled: bool = False
 
 
 class RequestFlow:
@@ -51,6 +104,10 @@ class RequestFlow:
         self._decodes = decodes
         self._metrics = metrics
         self._background: set[asyncio.Task[None]] = set()
+        for stage in ("prefill", "decode"):
+            metrics.retries.labels(stage)  # exported at 0 from the start
+        metrics.backends_serving.labels("prefill").set_function(lambda: prefills.num_serving)
+        metrics.backends_serving.labels("decode").set_function(lambda: decodes.num_serving)
 
     async def generate(
         self, request: gateway_pb2.GenerateRequest, params: SamplingParams
@@ -62,23 +119,13 @@ class RequestFlow:
         started = time.perf_counter()
         sampling = sampling_to_proto(params)
         text = TextStream(self._tokenizer, params.stop)
+        prefill_request = prefill_pb2.PrefillRequest(
+            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling
+        )
 
-        prefill = self._prefills.pick()
-        prefill.outstanding += 1
-        try:
-            first = await prefill.stub.Prefill(
-                prefill_pb2.PrefillRequest(
-                    request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling
-                )
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise _relay(exc, f"prefill {prefill.address}", delivered=0) from exc
-        finally:
-            prefill.outstanding -= 1
+        prefill, first = await self._prefill(prefill_request, avoid=(), delivered=0)
         self._metrics.ttft_seconds.observe(time.perf_counter() - started)
-
-        handle = first.kv_handle if first.HasField("kv_handle") else None
-        pulled_or_released = handle is None
+        parked = _Parked(prefill, first.kv_handle) if first.HasField("kv_handle") else None
         try:
             chunk = text.add([first.first_token_id])
             reason = STOP if chunk.stopped else (first.finish_reason or None)
@@ -88,52 +135,124 @@ class RequestFlow:
             if reason is not None:
                 self._metrics.finished.labels(reason).inc()
                 return
-            if handle is None:
+            if parked is None:
                 raise RpcError(
                     grpc.StatusCode.INTERNAL, "prefill returned neither a finish reason nor a KV handle"
                 )
 
-            async for response in self._decode(request_id, handle, first.first_token_id, sampling, text):
-                pulled_or_released = True  # decode answers only after its pull
-                yield response
+            failed_decodes: list[DecodeBackend] = []
+            for attempt in range(1, MAX_ATTEMPTS + 1):
+                decode = await self._pick(self._decodes, failed_decodes, delivered=text.num_tokens)
+                try:
+                    async for response in self._decode(decode, request_id, parked, first, sampling, text):
+                        yield response
+                    return
+                except _AttemptFailed as failure:
+                    if failure.streamed or not failure.retriable or attempt == MAX_ATTEMPTS:
+                        raise failure.error(delivered=text.num_tokens) from None
+                    logger.warning("request %s: %s; running it again", request_id, failure)
+                    self._metrics.retries.labels("decode").inc()
+                    failed_prefill = parked.prefill
+                    self._release_later(parked)
+                    parked = None
+                    if failure.code != grpc.StatusCode.ABORTED:
+                        failed_decodes.append(decode)
+                    avoid = [failed_prefill] if failure.code == grpc.StatusCode.ABORTED else []
+                    prefill, again = await self._prefill(prefill_request, avoid, delivered=text.num_tokens)
+                    if not again.HasField("kv_handle"):
+                        raise RpcError(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"{failure}; the request could not be resumed (the new prefill parked no KV) "
+                            f"after {text.num_tokens} tokens were delivered",
+                        ) from None
+                    parked = _Parked(prefill, again.kv_handle)
         finally:
-            if not pulled_or_released and handle is not None:
-                self._release_later(prefill.stub, handle)
+            if parked is not None and not parked.pulled:
+                self._release_later(parked)
+
+    async def _pick(self, pool: BackendPool[T], avoid: Collection[Backend[T]], delivered: int) -> Backend[T]:
+        try:
+            return await pool.pick(avoid)
+        except RpcError as exc:
+            if delivered:
+                raise RpcError(exc.code, f"{exc.message}; {delivered} tokens were delivered") from None
+            raise
+
+    async def _prefill(
+        self, request: prefill_pb2.PrefillRequest, avoid: Collection[PrefillBackend], delivered: int
+    ) -> tuple[PrefillBackend, prefill_pb2.PrefillResponse]:
+        failed = list(avoid)
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            prefill = await self._pick(self._prefills, failed, delivered)
+            prefill.outstanding += 1
+            call = prefill.stub.Prefill(request)
+            try:
+                return prefill, await _guarded(prefill.health, call, call, f"prefill {prefill.address}")
+            except grpc.aio.AioRpcError as exc:
+                prefill.health.call_failed(exc.code(), exc.details() or "")
+                failure = _AttemptFailed(exc.code(), f"prefill {prefill.address}", exc.details() or "")
+            except _AttemptFailed as exc:
+                failure = exc
+            finally:
+                prefill.outstanding -= 1
+            if not failure.retriable or attempt == MAX_ATTEMPTS:
+                raise failure.error(delivered)
+            logger.warning("request %s: %s; running it again", request.request_id, failure)
+            self._metrics.retries.labels("prefill").inc()
+            failed.append(prefill)
+        raise AssertionError("unreachable")
 
     async def _decode(
         self,
+        decode: DecodeBackend,
         request_id: str,
-        handle: kv_pb2.KvHandle,
-        first_token_id: int,
+        parked: _Parked,
+        first: prefill_pb2.PrefillResponse,
         sampling: Any,
         text: TextStream,
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        decode = self._decodes.pick()
+        """One decode attempt's responses; raises _AttemptFailed."""
+        where = f"decode {decode.address}"
         decode.outstanding += 1
         self._metrics.decode_calls.inc()
         call = decode.stub.Decode(
             decode_pb2.DecodeRequest(
-                request_id=request_id, kv_handle=handle, first_token_id=first_token_id, sampling=sampling
+                request_id=request_id,
+                kv_handle=parked.handle,
+                first_token_id=first.first_token_id,
+                sampling=sampling,
             )
         )
+        streamed = 0
         try:
-            async for message in call:
+            while True:
+                message = await _guarded(decode.health, call.read(), call, where)
+                if message is grpc.aio.EOF:
+                    raise RpcError(grpc.StatusCode.INTERNAL, "decode stream ended without a finish reason")
+                parked.pulled = True  # decode answers only after its pull
                 chunk = text.add(list(message.token_ids))
                 reason = STOP if chunk.stopped else (message.finish_reason or None)
                 if reason is not None and not chunk.stopped:
                     chunk = _join(chunk, text.finish())
+                streamed += len(chunk.token_ids)
                 yield _response(chunk, reason)
                 if reason is not None:
                     self._metrics.finished.labels(reason).inc()
                     return
-            raise RpcError(grpc.StatusCode.INTERNAL, "decode stream ended without a finish reason")
         except grpc.aio.AioRpcError as exc:
-            raise _relay(exc, f"decode {decode.address}", delivered=text.num_tokens) from exc
+            if exc.code() != grpc.StatusCode.ABORTED:
+                decode.health.call_failed(exc.code(), exc.details() or "")
+            raise _AttemptFailed(exc.code(), where, exc.details() or "", streamed) from None
+        except _AttemptFailed as exc:
+            exc.streamed = streamed
+            raise
         finally:
             decode.outstanding -= 1
             call.cancel()
 
-    def _release_later(self, stub: prefill_pb2_grpc.PrefillStub, handle: kv_pb2.KvHandle) -> None:
+    def _release_later(self, parked: _Parked) -> None:
+        stub, handle = parked.prefill.stub, parked.handle
+
         async def release() -> None:
             try:
                 response = await stub.ReleaseKv(
@@ -153,6 +272,22 @@ class RequestFlow:
             await asyncio.gather(*self._background, return_exceptions=True)
 
 
+async def _guarded(health: BackendHealth, awaitable: Awaitable[T], call: grpc.aio.Call, where: str) -> T:
+    """Awaits a step of ``call``; cancels the call and raises _AttemptFailed if its backend goes down."""
+    step = asyncio.ensure_future(awaitable)
+    down = asyncio.ensure_future(health.down.wait())
+    try:
+        done, _ = await asyncio.wait({step, down}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        down.cancel()
+        if not step.done():
+            step.cancel()
+            call.cancel()
+    if step in done:
+        return step.result()
+    raise _AttemptFailed(grpc.StatusCode.UNAVAILABLE, where, f"backend is down ({health.reason})")
+
+
 def _join(a: TextChunk, b: TextChunk) -> TextChunk:
     return TextChunk(a.token_ids + b.token_ids, a.text + b.text, a.stopped or b.stopped)
 
@@ -166,20 +301,4 @@ def _response(
         finish_reason=reason or "",
         request_id=request_id,
         num_prompt_tokens=num_prompt_tokens,
-    )
-
-
-def _relay(exc: grpc.aio.AioRpcError, where: str, delivered: int) -> RpcError:
-    code = exc.code()
-    if code in (
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.NOT_FOUND,
-    ):
-        return RpcError(code, exc.details() or "")
-    if code == grpc.StatusCode.CANCELLED:
-        return RpcError(code, f"{where} cancelled the request")
-    return RpcError(
-        grpc.StatusCode.UNAVAILABLE,
-        f"{where} failed ({code.name}: {exc.details()}) after {delivered} tokens were delivered",
     )

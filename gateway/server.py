@@ -1,4 +1,4 @@
-"""Starts the gateway: tokenizer and limits of the model, backend pools, gRPC and metrics servers."""
+"""Starts the gateway: tokenizer and limits of the model, backend pools, gRPC, HTTP and metrics servers."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry
 from transformers import AutoConfig, AutoTokenizer
 
 from gateway.backends import decode_pool, prefill_pool
+from gateway.http_api import OpenAIApi
+from gateway.http_server import HttpServer
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_input import PromptInput
 from gateway.request_flow import RequestFlow
@@ -36,14 +38,31 @@ async def serve(config: GatewayConfig) -> None:
     prefills = prefill_pool(config.prefill)
     decodes = decode_pool(config.decode)
     flow = RequestFlow(PromptInput(tokenizer, limits), tokenizer, prefills, decodes, metrics)
-    server = ServiceServer(config.server.host, config.server.port, [SERVICE_NAME])
+    server = ServiceServer(
+        config.server.host,
+        config.server.port,
+        [SERVICE_NAME],
+        work_methods=[f"/{SERVICE_NAME}/Generate"],
+        advertise_host=config.server.public_host,
+    )
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(flow, metrics), server.server)
     metrics_server = MetricsServer(config.server.host, config.server.metrics_port, metrics.registry)
+    api = OpenAIApi(flow, metrics, tokenizer, limits, config.model_id)
+    http = None
+    if config.http_port >= 0:
+        http = HttpServer(api.app(), config.server.host, config.http_port, config.server.grace_s)
     await server.start()
-    announce_ready("gateway", grpc=server.address, metrics=metrics_server.address)
+    metrics_address = f"{config.server.public_host}:{metrics_server.port}"
+    if http is None:
+        announce_ready("gateway", grpc=server.address, metrics=metrics_address)
+    else:
+        await http.start()
+        http_address = f"{config.server.public_host}:{http.port}"
+        announce_ready("gateway", grpc=server.address, metrics=metrics_address, http=http_address)
     await wait_for_stop_signal()
     logger.info("draining gateway (grace %.1fs)", config.server.grace_s)
-    await server.drain(config.server.grace_s)
+    api.draining = True
+    await asyncio.gather(server.drain(config.server.grace_s), *([http.stop()] if http else []))
     await flow.close()
     await prefills.close()
     await decodes.close()

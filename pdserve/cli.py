@@ -36,6 +36,7 @@ def _serve(name: str, config: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from pdserve import client, health_client, launcher
+    from pdserve.bench import command as bench
 
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -56,6 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
     health = commands.add_parser("health", help="exit 0 when a service reports SERVING")
     health_client.add_health_arguments(health)
     health.set_defaults(run=health_client.run_health)
+
+    from pdserve import bench_kv
+
+    bench_kv_parser = commands.add_parser("bench-kv", help="measure the KV handoff between two processes")
+    bench_kv.add_bench_kv_arguments(bench_kv_parser)
+    bench_kv_parser.set_defaults(run=bench_kv.run_bench_kv)
+
+    bench_parser = commands.add_parser("bench", help="benchmark an OpenAI-compatible server")
+    bench.add_bench_arguments(bench_parser)
+    bench_parser.set_defaults(run=bench.run_bench)
     return parser
 
 

@@ -83,7 +83,11 @@ class TransferConfig:
 class ServerConfig:
     """Where a service listens."""
 
-    host: str = field(default="127.0.0.1", metadata={"help": "address to bind and advertise"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    advertise_host: str = field(
+        default="",
+        metadata={"help": "name or address peers reach this service by (ready line, KV handles); '' = host"},
+    )
     port: int = field(default=0, metadata={"help": "gRPC port (0 picks a free one)"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus metrics port (0 picks a free one)"})
     grace_s: float = field(default=5.0, metadata={"help": "drain time on SIGTERM"})
@@ -91,10 +95,17 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("host must not be empty")
+        if any(c.isspace() or c == "," for c in self.advertise_host):
+            raise ValueError(f"advertise_host must be one host name or address, got {self.advertise_host!r}")
         _check_port("port", self.port)
         _check_port("metrics_port", self.metrics_port)
         if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
             raise ValueError(f"grace_s must be a finite number >= 0, got {self.grace_s}")
+
+    @property
+    def public_host(self) -> str:
+        """The host other processes use to reach this service."""
+        return self.advertise_host or self.host
 
 
 @dataclass(frozen=True)
@@ -104,10 +115,16 @@ class PrefillConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     kv_port: int = field(default=0, metadata={"help": "port of the KV rendezvous store (0 picks a free one)"})
     lease_s: float = field(default=30.0, metadata={"help": "seconds a parked KV waits to be pulled"})
+    max_batch_tokens: int = field(
+        default=8192,
+        metadata={"help": "token budget of one batched prefill forward (batch x longest prompt)"},
+    )
 
     def __post_init__(self) -> None:
         _check_port("kv_port", self.kv_port)
         _check_positive("lease_s", self.lease_s)
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
 
 
 @dataclass(frozen=True)
@@ -116,10 +133,18 @@ class DecodeConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     max_running: int = field(default=64, metadata={"help": "most requests decoding at once"})
+    max_kv_tokens: int = field(default=65536, metadata={"help": "KV pool size of the decode, in tokens"})
+    kv_block_size: int = field(default=16, metadata={"help": "tokens per KV pool block"})
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.kv_block_size < 1:
+            raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+        if self.max_kv_tokens < self.kv_block_size:
+            raise ValueError(
+                f"max_kv_tokens must be >= kv_block_size ({self.kv_block_size}), got {self.max_kv_tokens}"
+            )
 
 
 @dataclass(frozen=True)
@@ -132,6 +157,12 @@ class GatewayConfig:
     max_model_len: int = field(default=0, metadata={"help": "context limit; 0 takes the model's"})
     prefill: tuple[str, ...] = field(default=(), metadata={"help": "prefill gRPC addresses (HOST:PORT,...)"})
     decode: tuple[str, ...] = field(default=(), metadata={"help": "decode gRPC addresses (HOST:PORT,...)"})
+    http_port: int = field(
+        default=-1, metadata={"help": "OpenAI-compatible HTTP port (-1 turns it off, 0 picks a free one)"}
+    )
+    served_model_name: str = field(
+        default="", metadata={"help": "model id of the HTTP API (default: the --model value)"}
+    )
 
     def __post_init__(self) -> None:
         if not self.prefill:
@@ -144,3 +175,12 @@ class GatewayConfig:
             _check_address("decode", address)
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(
+                f"http_port must be -1 (off) or in [0, 65535] (0 picks a free port), got {self.http_port}"
+            )
+
+    @property
+    def model_id(self) -> str:
+        """The model id the HTTP API serves and accepts."""
+        return self.served_model_name or self.model

@@ -8,7 +8,11 @@ transfers. Every wait is bounded by the channel timeout; after any failure the c
 and its owner builds a new one under a new generation (a fresh store prefix).
 
 Lifecycle of a channel: created (nothing connected) -> connecting (on the first operation, both
-sides rendezvous through the prefill's TCPStore) -> ready -> broken or closed.
+sides rendezvous through the prefill's TCPStore) -> ready -> broken or closed. Closing drops the
+group on the worker thread once the operation in progress ends, and the thread then exits, so a
+closed or broken channel holds neither sockets nor a thread. ``num_pending`` counts operations
+posted and not yet ended, and ``transfer_threads()`` the worker threads alive in the process: with
+no transfer in progress the second equals the number of open channels.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 PREFILL_RANK = 0
 DECODE_RANK = 1
+THREAD_NAME_PREFIX = "kv-pair-"
+# Trailing metadata of a PullKv refused with ABORTED: the lowest pair generation the prefill takes.
+MIN_GENERATION_METADATA = "pdserve-min-pair-generation"
 
 
 class ChannelState(enum.Enum):
@@ -50,6 +57,11 @@ def transfer_device(backend: str, device: torch.device) -> torch.device:
     if backend == "gloo":
         return torch.device("cpu")
     raise ValueError(f"unknown KV backend {backend!r}")
+
+
+def transfer_threads() -> int:
+    """Worker threads of channels alive in this process (open channels, or closed ones still ending)."""
+    return sum(1 for t in threading.enumerate() if t.name.startswith(THREAD_NAME_PREFIX))
 
 
 def pair_prefix(prefill_instance_id: str, decode_instance_id: str, generation: int) -> str:
@@ -87,9 +99,11 @@ class PairChannel:
         self._timeout = timeout
         self._group: Any = None
         self._lock = threading.Lock()
+        self._executor_closed = False
         self._state = ChannelState.CREATED
+        self._pending = 0
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"kv-pair-{prefix.strip('/').replace('/', '-')}"
+            max_workers=1, thread_name_prefix=THREAD_NAME_PREFIX + prefix.strip("/").replace("/", "-")
         )
 
     @property
@@ -104,6 +118,15 @@ class PairChannel:
     def peer(self) -> int:
         return 1 - self.rank
 
+    @property
+    def num_pending(self) -> int:
+        """Operations posted and not yet ended (queued or waiting)."""
+        return self._pending
+
+    def connect(self) -> concurrent.futures.Future[None]:
+        """Builds the group (both sides must call it, or post a transfer) without moving any data."""
+        return self._submit("connect", None)
+
     def send(self, buf: torch.Tensor) -> concurrent.futures.Future[None]:
         """Posts the send of ``buf`` after every earlier operation of this channel."""
         return self._submit("send", buf)
@@ -113,30 +136,62 @@ class PairChannel:
         return self._submit("recv", buf)
 
     def close(self) -> None:
-        """Stops taking operations; a wait in progress ends at its timeout at the latest."""
+        """Stops taking operations; a wait in progress ends at its timeout at the latest, then the
+        group is dropped and the worker thread exits."""
         with self._lock:
             if self._state != ChannelState.BROKEN:
                 self._state = ChannelState.CLOSED
-        self._executor.shutdown(wait=False)  # queued operations fail fast with TransferError
+            closed_before = self._executor_closed
+            self._executor_closed = True
+            idle = self._pending == 0 and self._group is None
+        if closed_before:
+            return
+        if not idle:
+            # Queued operations fail fast with TransferError; the teardown runs after them.
+            self._executor.submit(self._drop_group)
+        self._executor.shutdown(wait=False)
 
-    def _submit(self, op: str, buf: torch.Tensor) -> concurrent.futures.Future[None]:
-        if buf.device != self.device:
+    def _drop_group(self) -> None:
+        self._group = None
+
+    def _advance(self, state: ChannelState) -> None:
+        with self._lock:
+            if not self.is_usable:
+                raise TransferError(f"channel {self.prefix} is {self._state.value}")
+            self._state = state
+
+    def _submit(self, op: str, buf: torch.Tensor | None) -> concurrent.futures.Future[None]:
+        if buf is not None and buf.device != self.device:
             raise ValueError(f"{op} buffer is on {buf.device}, the channel moves {self.device} tensors")
-        if not buf.is_contiguous():
+        if buf is not None and not buf.is_contiguous():
             raise ValueError(f"{op} buffer must be contiguous")
         with self._lock:
             if not self.is_usable:
                 raise TransferError(f"channel {self.prefix} is {self._state.value}")
-            return self._executor.submit(self._run, op, buf)
+            self._pending += 1
+            try:
+                return self._executor.submit(self._run, op, buf)
+            except RuntimeError:
+                self._pending -= 1
+                raise TransferError(f"channel {self.prefix} is {self._state.value}") from None
 
-    def _run(self, op: str, buf: torch.Tensor) -> None:
+    def _run(self, op: str, buf: torch.Tensor | None) -> None:
+        try:
+            self._run_op(op, buf)
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def _run_op(self, op: str, buf: torch.Tensor | None) -> None:
         if not self.is_usable:
             raise TransferError(f"channel {self.prefix} is {self._state.value}")
         try:
             if self._group is None:
-                self._state = ChannelState.CONNECTING
+                self._advance(ChannelState.CONNECTING)
                 self._group = self._build_group()
-                self._state = ChannelState.READY
+                self._advance(ChannelState.READY)
+            if buf is None:
+                return
             if op == "send":
                 work = self._group.send([buf], self.peer, 0)
             else:
@@ -149,13 +204,17 @@ class PairChannel:
             with self._lock:
                 if self._state != ChannelState.CLOSED:
                     self._state = ChannelState.BROKEN
+            self._group = None  # a broken group is never used again: free its sockets now
             logger.warning("KV %s on %s failed: %s", op, self.prefix, exc)
             if isinstance(exc, TransferError):
                 raise
             raise TransferError(f"{op} on {self.prefix} failed: {exc}") from exc
 
     def _build_group(self) -> Any:
-        store = dist.PrefixStore(self.prefix, self._store)
+        # A connection of its own: a TCPStore client runs one call at a time, and the rendezvous
+        # waits for the peer's keys, so a shared one would hold every other pair's build up.
+        clone = getattr(self._store, "clone", None)
+        store = dist.PrefixStore(self.prefix, clone() if clone is not None else self._store)
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
             nccl_opts = dist.ProcessGroupNCCL.Options()

@@ -66,6 +66,10 @@ class UpConfig:
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "model directory or preset name"})
     host: str = field(default="127.0.0.1", metadata={"help": "address every service binds and advertises"})
     port: int = field(default=50051, metadata={"help": "gateway gRPC port (0 picks a free one)"})
+    http_port: int = field(
+        default=-1,
+        metadata={"help": "gateway OpenAI-compatible HTTP port (-1 turns it off, 0 picks a free one)"},
+    )
     device: str = field(default="cpu", metadata={"help": "torch device of the replicas, e.g. cpu or cuda:0"})
     threads: int = field(default=1, metadata={"help": "intra-op torch threads of each replica on CPU"})
     cache_dir: str = field(
@@ -99,6 +103,10 @@ class UpConfig:
         if not self.host:
             raise ValueError("host must not be empty")
         _check_port("port", self.port)
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(
+                f"http_port must be -1 (off) or in [0, 65535] (0 picks a free port), got {self.http_port}"
+            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.threads < 1:
@@ -140,6 +148,7 @@ class LaunchSpec:
     port: int = 0
     metrics_port: int = 0
     kv_port: int = 0
+    http_port: int = -1
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
 
@@ -162,6 +171,7 @@ def service_command(config: UpConfig, spec: LaunchSpec) -> list[str]:
     command += ["--port", str(spec.port), "--metrics-port", str(spec.metrics_port)]
     if spec.role == GATEWAY:
         command += ["--prefill", ",".join(spec.prefill), "--decode", ",".join(spec.decode)]
+        command += ["--http-port", str(spec.http_port)]
     else:
         command += ["--device", config.device, "--threads", str(config.threads)]
     if spec.role == PREFILL:
@@ -207,6 +217,7 @@ def pin_ports(spec: LaunchSpec, info: Mapping[str, Any]) -> LaunchSpec:
         port=port_of(info.get("grpc")),
         metrics_port=port_of(info.get("metrics")),
         kv_port=port_of(info.get("kv_rendezvous")),
+        http_port=port_of(info["http"]) if "http" in info else spec.http_port,
     )
 
 
@@ -421,6 +432,7 @@ class Supervisor:
             LaunchSpec(
                 GATEWAY,
                 port=config.port,
+                http_port=config.http_port,
                 prefill=tuple(self._address(child) for child in backends if child.spec.role == PREFILL),
                 decode=tuple(self._address(child) for child in backends if child.spec.role == DECODE),
             )
@@ -502,12 +514,15 @@ class Supervisor:
         line = {"ready": True, **self.endpoints()}
         self._stdout.write(json.dumps(line) + "\n")
         self._stdout.flush()
-        address = self._address(self._children[-1])
+        gateway = self._children[-1]
+        address = self._address(gateway)
+        http = gateway.info.get("http") if gateway.info is not None else None
         self._write_stderr(
             f"pdserve is up: gateway on {address} with {self.config.prefill_replicas} prefill and "
             f"{self.config.decode_replicas} decode replica(s). Send a request with:\n"
             f'  {pdserve_executable()} generate --address {address} "The capital of France is"\n'
-            "Stop with Ctrl-C.\n"
+            + (f"OpenAI-compatible API: http://{http}/v1\n" if http else "")
+            + "Stop with Ctrl-C.\n"
         )
         self.ready.set()
 

@@ -1,19 +1,23 @@
-"""The prefill engine: one prompt forward per request, the first token sampled from it.
+"""The prefill engine: batched prompt forwards, each request's first token sampled from its row.
 
 Lifecycle of a request here:
-1. the servicer validates it and submits it to the engine thread (forwards run one at a time,
-   off the event loop);
-2. the forward runs with a fresh cache and ``logits_to_keep=1``;
-3. the first token is sampled from that forward's logits at step 0;
-4. if the request is complete at that token (max_tokens=1, EOS, a stop token or stop string)
-   nothing is kept; otherwise the prompt's KV is packed into one buffer on the transfer device,
-   ready to be parked under a handle.
+1. the servicer validates it and submits it; it waits in the engine's queue;
+2. the engine thread takes every waiting request that fits the token budget (batch size times
+   the longest prompt, left-padded) and runs them in one forward with a fresh cache and
+   ``logits_to_keep=1``: every row's last position is its prompt's last token;
+3. each row's first token is sampled from that forward's logits at step 0;
+4. a request complete at that token (max_tokens=1, EOS, a stop token or stop string) keeps
+   nothing; otherwise its prompt's KV is packed into one buffer on the transfer device, ready to
+   be parked under a handle;
+5. every request of the batch gets its result the moment that forward ends.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import logging
+import queue
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +30,8 @@ from pdserve.finish import STOP, finish_reason
 from pdserve.kv_layout import pack
 from pdserve.sampling import SamplingParams, sample
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class PrefillResult:
@@ -34,40 +40,134 @@ class PrefillResult:
     kv_buffer: torch.Tensor | None
     num_tokens: int
     forward_seconds: float
+    batch_size: int
+
+
+@dataclass
+class _Pending:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[PrefillResult]
 
 
 class PrefillEngine:
-    def __init__(self, engine_model: EngineModel, transfer_device: torch.device) -> None:
+    def __init__(
+        self, engine_model: EngineModel, transfer_device: torch.device, max_batch_tokens: int = 8192
+    ) -> None:
         self._m = engine_model
         self._transfer_device = transfer_device
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
+        self._max_batch_tokens = max_batch_tokens
+        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._held: _Pending | None = None
+        self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
+        self._thread.start()
 
     async def run(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> PrefillResult:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._prefill, list(prompt_token_ids), params)
+        future: asyncio.Future[PrefillResult] = loop.create_future()
+        self._queue.put(_Pending(list(prompt_token_ids), params, loop, future))
+        return await future
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._queue.put(None)
+        self._thread.join(timeout=30)
 
-    @torch.inference_mode()
-    def _prefill(self, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        if self._m.device.type == "cuda":
+            torch.cuda.set_device(self._m.device)
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            batch = [p for p in batch if not p.future.cancelled()]
+            if not batch:
+                continue
+            try:
+                results = self._prefill(batch)
+            except Exception as exc:
+                logger.exception("prefill forward of %d requests failed", len(batch))
+                for p in batch:
+                    p.loop.call_soon_threadsafe(_set_exception, p.future, exc)
+                continue
+            for p, result in zip(batch, results, strict=True):
+                p.loop.call_soon_threadsafe(_set_result, p.future, result)
+
+    def _next_batch(self) -> list[_Pending] | None:
+        first = self._held or self._queue.get()
+        self._held = None
+        if first is None:
+            return None
+        batch = [first]
+        longest = len(first.prompt_token_ids)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return batch
+            if item is None:
+                self._queue.put(None)
+                return batch
+            longest_if_added = max(longest, len(item.prompt_token_ids))
+            if longest_if_added * (len(batch) + 1) > self._max_batch_tokens:
+                self._held = item
+                return batch
+            batch.append(item)
+            longest = longest_if_added
+
+    def _prefill(self, batch: list[_Pending]) -> list[PrefillResult]:
         m = self._m
         start = time.perf_counter()
-        input_ids = torch.tensor([prompt_token_ids], dtype=torch.long, device=m.device)
+        lengths = [len(p.prompt_token_ids) for p in batch]
+        longest = max(lengths)
+        input_ids = torch.zeros((len(batch), longest), dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for row, p in enumerate(batch):
+            input_ids[row, longest - lengths[row] :] = torch.tensor(p.prompt_token_ids)
+            mask[row, longest - lengths[row] :] = 1
         cache = DynamicCache(config=m.model.config)
-        out = m.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-        token = sample(out.logits[0, -1], params, step=0)
-        reason = finish_reason(token, 1, params, m.limits.eos_token_ids)
-        if reason is None and params.stop and self._hits_stop_string(token, params.stop):
-            reason = STOP
-        buffer = None
-        if reason is None:
-            layers = [(layer.keys, layer.values) for layer in cache.layers]
-            buffer = pack(layers, m.kv_layout, 0, 0, len(prompt_token_ids), self._transfer_device)
+        kwargs = {}
+        if len(batch) > 1:  # left padding: every row ends at the last position
+            kwargs = {
+                "attention_mask": mask.to(m.device),
+                "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(m.device),
+            }
+        out = m.model(
+            input_ids=input_ids.to(m.device), cache=cache, use_cache=True, logits_to_keep=1, **kwargs
+        )
+        logits = out.logits[:, -1]
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        results = []
+        for row, p in enumerate(batch):
+            token = sample(logits[row], p.params, step=0)
+            reason = finish_reason(token, 1, p.params, m.limits.eos_token_ids)
+            if reason is None and p.params.stop and self._hits_stop_string(token, p.params.stop):
+                reason = STOP
+            buffer = None
+            if reason is None:
+                buffer = pack(
+                    layers, m.kv_layout, row, longest - lengths[row], lengths[row], self._transfer_device
+                )
+            results.append(PrefillResult(token, reason, buffer, lengths[row], 0.0, len(batch)))
         if m.device.type == "cuda":
             torch.cuda.synchronize(m.device)
-        return PrefillResult(token, reason, buffer, len(prompt_token_ids), time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        return [
+            PrefillResult(r.first_token_id, r.finish_reason, r.kv_buffer, r.num_tokens, elapsed, r.batch_size)
+            for r in results
+        ]
 
     def _hits_stop_string(self, token: int, stop: Sequence[str]) -> bool:
         text: str = self._m.tokenizer.decode([token], skip_special_tokens=True)
         return any(s in text for s in stop)
+
+
+def _set_result(future: asyncio.Future[PrefillResult], result: PrefillResult) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[PrefillResult], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

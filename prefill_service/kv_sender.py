@@ -1,30 +1,62 @@
-"""The prefill side of the KV handoff: one transfer channel per decode process, built on demand.
+"""The prefill side of the KV handoff: one transfer pair per decode process, built on demand.
 
 Lifecycle of a pull:
 1. a decode calls PullKv(handle, decode instance, pair generation);
-2. the handle is taken out of the registry (a later pull or release finds nothing);
-3. if this decode's channel has another generation or is broken, it is closed and a new one is
-   made under the decode's generation (the decode makes its side under the same store prefix);
-4. the send is posted on the channel, after every earlier send to that decode, and PullKv returns;
-5. the send completes (or fails at its bounded timeout, breaking the channel) and the buffer is
-   dropped: the KV is freed.
+2. a generation this prefill already tore down for that decode is refused (``StaleGeneration``)
+   before the handle is touched: the decode moves to a newer generation and asks again;
+3. the handle is taken out of the registry (a later pull or release finds nothing);
+4. if this decode's pair has another generation or is broken, it is closed and a new one is made
+   under the decode's generation (the decode makes its side under the same store prefix);
+5. the send is posted on the pair, after every earlier send to that decode, and PullKv returns;
+6. the send completes, or fails at its bounded timeout (at once when the decode's process died),
+   and the buffer is dropped: the KV is freed. A failed send tears the pair down at once (its
+   group and thread go) and retires its generation; the decode's next pull builds a new one.
+
+Each pair has its own transfer thread, so a send waiting on one decode never delays another
+decode's. A pair left unused for ``idle_s`` (its decode may be gone for good) is torn down at the
+next pull from any decode.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from pdserve.kv_transport import PREFILL_RANK, PairChannel, pair_prefix
+from pdserve.kv_transport import PREFILL_RANK, PairChannel, pair_prefix, transfer_threads
 from prefill_service.kv_registry import ParkedKv
 from prefill_service.metrics import PrefillMetrics
 
 logger = logging.getLogger(__name__)
+
+PAIR_IDLE_S = 600.0
+MAX_RETIRED = 4096  # decodes whose last torn-down generation is remembered
+
+
+class StaleGeneration(Exception):
+    """A pull named a pair generation that is no longer accepted for its decode."""
+
+    def __init__(self, decode_instance_id: str, generation: int, minimum: int) -> None:
+        super().__init__(
+            f"pair generation {generation} with decode {decode_instance_id} was torn down; "
+            f"pull again with generation >= {minimum}"
+        )
+        self.minimum = minimum
+
+
+@dataclass
+class _Pair:
+    generation: int
+    channel: PairChannel
+    last_used: float
 
 
 class KvSender:
@@ -37,6 +69,8 @@ class KvSender:
         local_host: str,
         timeout: timedelta,
         metrics: PrefillMetrics,
+        idle_s: float = PAIR_IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._instance_id = instance_id
         self._store = store
@@ -45,71 +79,134 @@ class KvSender:
         self._local_host = local_host
         self._timeout = timeout
         self._metrics = metrics
-        self._channels: dict[str, tuple[int, PairChannel]] = {}
+        self._idle_s = idle_s
+        self._clock = clock
+        self._pairs: dict[str, _Pair] = {}
+        self._retired: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._in_flight = 0
-        metrics.kv_pairs.set_function(lambda: len(self._channels))
+        metrics.kv_pairs.set_function(lambda: len(self._pairs))
+        metrics.kv_sends_in_flight.set_function(lambda: self._in_flight)
+        metrics.kv_transfer_threads.set_function(transfer_threads)
 
     @property
     def num_in_flight(self) -> int:
         return self._in_flight
 
-    def send(self, entry: ParkedKv, decode_instance_id: str, generation: int) -> None:
-        """Posts the send of a taken handle to that decode; the buffer is freed when it ends."""
-        channel = self._channel(decode_instance_id, generation)
-        started = time.perf_counter()
+    @property
+    def num_pairs(self) -> int:
+        return len(self._pairs)
+
+    def check_generation(self, decode_instance_id: str, generation: int) -> None:
+        """Raises StaleGeneration when a pull on that generation would be refused."""
         with self._lock:
+            self._check_generation(decode_instance_id, generation)
+
+    def send(
+        self, entry: ParkedKv, decode_instance_id: str, generation: int
+    ) -> concurrent.futures.Future[None]:
+        """Posts the send of a taken handle to that decode; the buffer is freed when it ends.
+
+        Raises StaleGeneration, or TransferError when the pair cannot take the send.
+        """
+        with self._lock:
+            pair = self._pair(decode_instance_id, generation)
+            future = pair.channel.send(entry.buffer)
             self._in_flight += 1
-        future = channel.send(entry.buffer)
+        started = time.perf_counter()
         num_bytes = entry.num_bytes
 
-        def done(f: object) -> None:
+        def done(f: concurrent.futures.Future[None]) -> None:
+            exc = f.exception()
             with self._lock:
                 self._in_flight -= 1
-            exc = future.exception()
+                pair.last_used = self._clock()
+                if exc is not None:
+                    self._tear_down(decode_instance_id, pair)
             if exc is None:
                 self._metrics.kv_sent_bytes.inc(num_bytes)
                 self._metrics.kv_transfer_seconds.observe(time.perf_counter() - started)
             else:
                 self._metrics.kv_pull_failures.inc()
-                logger.warning("KV send of %d bytes to %s failed: %s", num_bytes, decode_instance_id, exc)
+                logger.warning(
+                    "KV send of %d bytes to %s (generation %d) failed, KV freed: %s",
+                    num_bytes,
+                    decode_instance_id,
+                    generation,
+                    exc,
+                )
 
         future.add_done_callback(done)
-
-    def _channel(self, decode_instance_id: str, generation: int) -> PairChannel:
-        with self._lock:
-            self._prune_broken(keep=decode_instance_id)
-            current = self._channels.get(decode_instance_id)
-            if current is not None:
-                current_generation, channel = current
-                if current_generation == generation and channel.is_usable:
-                    return channel
-                logger.info(
-                    "rebuilding KV pair with %s: generation %d (%s) -> %d",
-                    decode_instance_id,
-                    current_generation,
-                    channel.state.value,
-                    generation,
-                )
-                channel.close()
-            channel = PairChannel(
-                self._store,
-                pair_prefix(self._instance_id, decode_instance_id, generation),
-                PREFILL_RANK,
-                self._backend,
-                self._device,
-                self._local_host,
-                self._timeout,
-            )
-            self._channels[decode_instance_id] = (generation, channel)
-            return channel
-
-    def _prune_broken(self, keep: str) -> None:
-        for peer in [p for p, (_, c) in self._channels.items() if p != keep and not c.is_usable]:
-            self._channels.pop(peer)[1].close()
+        return future
 
     def close(self) -> None:
         with self._lock:
-            for _, channel in self._channels.values():
-                channel.close()
-            self._channels.clear()
+            for pair in self._pairs.values():
+                pair.channel.close()
+            self._pairs.clear()
+
+    # --- under self._lock --------------------------------------------------------------------
+
+    def _check_generation(self, decode_instance_id: str, generation: int) -> None:
+        minimum = self._retired.get(decode_instance_id, 0) + 1
+        current = self._pairs.get(decode_instance_id)
+        if current is not None:
+            minimum = max(minimum, current.generation)
+        if generation < minimum:
+            raise StaleGeneration(decode_instance_id, generation, minimum)
+
+    def _pair(self, decode_instance_id: str, generation: int) -> _Pair:
+        now = self._clock()
+        self._reap(now, keep=decode_instance_id)
+        self._check_generation(decode_instance_id, generation)
+        current = self._pairs.get(decode_instance_id)
+        if current is not None:
+            if current.generation == generation and current.channel.is_usable:
+                current.last_used = now
+                return current
+            logger.info(
+                "rebuilding KV pair with %s: generation %d (%s) -> %d",
+                decode_instance_id,
+                current.generation,
+                current.channel.state.value,
+                generation,
+            )
+            self._tear_down(decode_instance_id, current)
+        channel = PairChannel(
+            self._store,
+            pair_prefix(self._instance_id, decode_instance_id, generation),
+            PREFILL_RANK,
+            self._backend,
+            self._device,
+            self._local_host,
+            self._timeout,
+        )
+        pair = _Pair(generation, channel, now)
+        self._pairs[decode_instance_id] = pair
+        return pair
+
+    def _tear_down(self, decode_instance_id: str, pair: _Pair) -> None:
+        """Closes the pair and retires its generation (no-op when it was already replaced)."""
+        pair.channel.close()
+        if self._pairs.get(decode_instance_id) is not pair:
+            return
+        del self._pairs[decode_instance_id]
+        self._metrics.kv_pair_rebuilds.inc()
+        retired = max(self._retired.pop(decode_instance_id, 0), pair.generation)
+        self._retired[decode_instance_id] = retired
+        while len(self._retired) > MAX_RETIRED:
+            self._retired.popitem(last=False)
+
+    def _reap(self, now: float, keep: str) -> None:
+        for decode_instance_id, pair in list(self._pairs.items()):
+            if decode_instance_id == keep:
+                continue
+            idle = pair.channel.num_pending == 0 and now - pair.last_used > self._idle_s
+            if idle or not pair.channel.is_usable:
+                logger.info(
+                    "closing KV pair with %s (generation %d): %s",
+                    decode_instance_id,
+                    pair.generation,
+                    "idle" if idle else pair.channel.state.value,
+                )
+                self._tear_down(decode_instance_id, pair)

@@ -25,6 +25,12 @@ class PrefillMetrics:
         self.forward_seconds = Histogram(
             "pdserve_prefill_forward_seconds", "Duration of prefill forwards", registry=registry
         )
+        self.batch_size = Histogram(
+            "pdserve_prefill_batch_size",
+            "Size of the batched forward each request ran in",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=registry,
+        )
         self.parked_handles = Gauge("pdserve_kv_parked_handles", "KV handles parked", registry=registry)
         self.parked_bytes = Gauge("pdserve_kv_parked_bytes", "Bytes of parked KV", registry=registry)
         self.kv_parks = Counter("pdserve_kv_parks", "KV handles parked", registry=registry)
@@ -45,6 +51,24 @@ class PrefillMetrics:
             registry=registry,
         )
         self.kv_pairs = Gauge("pdserve_kv_pairs", "Open (prefill, decode) transfer pairs", registry=registry)
+        self.kv_sends_in_flight = Gauge(
+            "pdserve_kv_sends_in_flight", "KV sends posted and not yet ended", registry=registry
+        )
+        self.kv_transfer_threads = Gauge(
+            "pdserve_kv_transfer_threads",
+            "Transfer threads alive (one per open pair when no transfer is ending)",
+            registry=registry,
+        )
+        self.kv_pair_rebuilds = Counter(
+            "pdserve_kv_pair_rebuilds",
+            "Pairs replaced by a new generation or torn down after a failure",
+            registry=registry,
+        )
+        self.kv_pulls_stale = Counter(
+            "pdserve_kv_pulls_stale_generation",
+            "Pulls refused because they named a pair generation already torn down",
+            registry=registry,
+        )
 
     def track_parked(self, num_handles: Callable[[], int], num_bytes: Callable[[], int]) -> None:
         self.parked_handles.set_function(num_handles)

@@ -1,7 +1,9 @@
 """Starts a prefill process: model, rendezvous store, registry, engine, gRPC and metrics servers.
 
 Lifecycle of the process: load the model -> host the KV rendezvous store -> serve (announce the
-ready line) -> on SIGTERM report NOT_SERVING, drain calls in flight, free what is parked, exit.
+ready line) -> on SIGTERM report NOT_SERVING, refuse new Prefill calls, keep serving PullKv and
+ReleaseKv until what is parked has been pulled, released or has expired and every send has ended
+(or the grace period is over), then free the rest and exit.
 """
 
 from __future__ import annotations
@@ -47,16 +49,22 @@ async def serve(config: PrefillConfig) -> None:
     device = transfer_device(backend, engine_model.device)
     timeout = timedelta(seconds=config.transfer.transfer_timeout_s)
     instance_id = uuid.uuid4().hex
-    host = config.server.host
-    store = host_store(host, config.kv_port, timeout)
+    host = config.server.public_host
+    store = host_store(config.server.host, config.kv_port, timeout)
 
     metrics = PrefillMetrics(CollectorRegistry())
     registry = KvRegistry(config.lease_s)
     metrics.track_parked(lambda: registry.num_parked, lambda: registry.num_bytes_parked)
     sender = KvSender(instance_id, store, backend, engine_model.device, host, timeout, metrics)
-    engine = PrefillEngine(engine_model, device)
+    engine = PrefillEngine(engine_model, device, config.max_batch_tokens)
 
-    server = ServiceServer(host, config.server.port, [SERVICE_NAME])
+    server = ServiceServer(
+        config.server.host,
+        config.server.port,
+        [SERVICE_NAME],
+        work_methods=[f"/{SERVICE_NAME}/Prefill"],
+        advertise_host=host,
+    )
     handle_template = kv_pb2.KvHandle(
         prefill_address=server.address,
         prefill_instance_id=instance_id,
@@ -75,18 +83,18 @@ async def serve(config: PrefillConfig) -> None:
     )
     servicer = PrefillServicer(engine_model, engine, registry, sender, metrics, handle_template)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server.server)
-    metrics_server = MetricsServer(host, config.server.metrics_port, metrics.registry)
+    metrics_server = MetricsServer(config.server.host, config.server.metrics_port, metrics.registry)
     await server.start()
     expiry = asyncio.create_task(expire_leases(registry, metrics))
     announce_ready(
         "prefill",
         grpc=server.address,
-        metrics=metrics_server.address,
+        metrics=f"{host}:{metrics_server.port}",
         kv_rendezvous=f"{host}:{store.port}",
     )
     await wait_for_stop_signal()
     logger.info("draining prefill (grace %.1fs)", config.server.grace_s)
-    await server.drain(config.server.grace_s)
+    await server.drain(config.server.grace_s, busy=lambda: registry.num_parked + sender.num_in_flight)
     expiry.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await expiry

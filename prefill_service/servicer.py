@@ -1,4 +1,8 @@
-"""gRPC servicer of pdserve.v1.Prefill: converts at the edge, delegates to engine and registry."""
+"""gRPC servicer of pdserve.v1.Prefill: converts at the edge, delegates to engine, registry and sender.
+
+``KvHandoffServicer`` serves the handoff calls alone (PullKv, ReleaseKv); ``PrefillServicer`` adds
+the prompt forward. ``pdserve bench-kv`` runs the first one to time the real PullKv path.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,13 @@ from typing import Any
 import grpc
 
 from pdserve.engine_model import EngineModel
-from pdserve.rpc_errors import abort
+from pdserve.kv_transport import MIN_GENERATION_METADATA, TransferError
+from pdserve.rpc_errors import RpcError, abort
 from pdserve.sampling_proto import sampling_from_proto
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 from prefill_service.engine import PrefillEngine
 from prefill_service.kv_registry import HANDLE_ID_BYTES, KvRegistry, ParkedKv
-from prefill_service.kv_sender import KvSender
+from prefill_service.kv_sender import KvSender, StaleGeneration
 from prefill_service.metrics import PrefillMetrics
 
 logger = logging.getLogger(__name__)
@@ -21,7 +26,63 @@ logger = logging.getLogger(__name__)
 KV_HANDLE_VERSION = 1
 
 
-class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, registry: KvRegistry, sender: KvSender, metrics: PrefillMetrics) -> None:
+        self._registry = registry
+        self._sender = sender
+        self._metrics = metrics
+
+    async def PullKv(self, request: prefill_pb2.PullKvRequest, context: Any) -> prefill_pb2.PullKvResponse:
+        if len(request.handle_id) != HANDLE_ID_BYTES:
+            await abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT, f"handle_id must be {HANDLE_ID_BYTES} bytes"
+            )
+        if not request.decode_instance_id or request.pair_generation == 0:
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "decode_instance_id and pair_generation must be set",
+            )
+        decode, generation = request.decode_instance_id, request.pair_generation
+        try:
+            # Before the take: a refused pull leaves the handle parked for the retry.
+            self._sender.check_generation(decode, generation)
+        except StaleGeneration as exc:
+            await self._abort_stale(context, exc)
+        entry = self._registry.take(request.handle_id)
+        if entry is None:
+            self._metrics.kv_pulls_not_found.inc()
+            await abort(context, grpc.StatusCode.NOT_FOUND, "KV handle is unknown, expired or already pulled")
+        self._metrics.kv_pulls.inc()
+        try:
+            self._sender.send(entry, decode, generation)
+        except StaleGeneration as exc:  # a concurrent pull of that decode moved on: the KV is dropped
+            self._metrics.kv_pull_failures.inc()
+            await self._abort_stale(context, exc)
+        except TransferError as exc:
+            self._metrics.kv_pull_failures.inc()
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"KV send could not be posted: {exc}")
+        return prefill_pb2.PullKvResponse(num_bytes=entry.num_bytes)
+
+    async def ReleaseKv(
+        self, request: prefill_pb2.ReleaseKvRequest, context: Any
+    ) -> prefill_pb2.ReleaseKvResponse:
+        released = self._registry.release(request.handle_id)
+        if released:
+            self._metrics.kv_releases.inc()
+        return prefill_pb2.ReleaseKvResponse(released=released)
+
+    async def _abort_stale(self, context: Any, exc: StaleGeneration) -> None:
+        self._metrics.kv_pulls_stale.inc()
+        await context.abort(
+            grpc.StatusCode.ABORTED,
+            str(exc),
+            trailing_metadata=((MIN_GENERATION_METADATA, str(exc.minimum)),),
+        )
+        raise RpcError(grpc.StatusCode.ABORTED, str(exc))
+
+
+class PrefillServicer(KvHandoffServicer):
     def __init__(
         self,
         engine_model: EngineModel,
@@ -31,11 +92,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         metrics: PrefillMetrics,
         handle_template: kv_pb2.KvHandle,
     ) -> None:
+        super().__init__(registry, sender, metrics)
         self._m = engine_model
         self._engine = engine
-        self._registry = registry
-        self._sender = sender
-        self._metrics = metrics
         self._handle_template = handle_template
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
@@ -50,6 +109,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         result = await self._engine.run(request.prompt_token_ids, params)
         self._metrics.forward_seconds.observe(result.forward_seconds)
+        self._metrics.batch_size.observe(result.batch_size)
         if result.finish_reason is not None or result.kv_buffer is None:
             self._metrics.finished_at_first_token.labels(result.finish_reason or "").inc()
             return prefill_pb2.PrefillResponse(
@@ -61,33 +121,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return prefill_pb2.PrefillResponse(
             first_token_id=result.first_token_id, kv_handle=self._handle(entry)
         )
-
-    async def PullKv(self, request: prefill_pb2.PullKvRequest, context: Any) -> prefill_pb2.PullKvResponse:
-        if len(request.handle_id) != HANDLE_ID_BYTES:
-            await abort(
-                context, grpc.StatusCode.INVALID_ARGUMENT, f"handle_id must be {HANDLE_ID_BYTES} bytes"
-            )
-        if not request.decode_instance_id or request.pair_generation == 0:
-            await abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "decode_instance_id and pair_generation must be set",
-            )
-        entry = self._registry.take(request.handle_id)
-        if entry is None:
-            self._metrics.kv_pulls_not_found.inc()
-            await abort(context, grpc.StatusCode.NOT_FOUND, "KV handle is unknown, expired or already pulled")
-        self._metrics.kv_pulls.inc()
-        self._sender.send(entry, request.decode_instance_id, request.pair_generation)
-        return prefill_pb2.PullKvResponse(num_bytes=entry.num_bytes)
-
-    async def ReleaseKv(
-        self, request: prefill_pb2.ReleaseKvRequest, context: Any
-    ) -> prefill_pb2.ReleaseKvResponse:
-        released = self._registry.release(request.handle_id)
-        if released:
-            self._metrics.kv_releases.inc()
-        return prefill_pb2.ReleaseKvResponse(released=released)
 
     def _handle(self, entry: ParkedKv) -> kv_pb2.KvHandle:
         handle = kv_pb2.KvHandle()

@@ -56,16 +56,25 @@ def stack_pool(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def assert_no_leaks(stack: Stack, timeout_s: float = 15.0) -> None:
-    """No parked KV, no send in flight, nothing running or waiting in decode."""
+    """No parked KV, no transfer in flight, no transfer thread beyond one per open pair, nothing
+    running or waiting in decode."""
 
     def clean() -> bool:
         for prefill in stack.prefills:
             m = scrape(prefill.metrics)
             if m["pdserve_kv_parked_handles"] or m["pdserve_kv_parked_bytes"]:
                 return False
+            if m["pdserve_kv_sends_in_flight"] or m["pdserve_kv_transfer_threads"] > m["pdserve_kv_pairs"]:
+                return False
         for decode in stack.decodes:
             m = scrape(decode.metrics)
-            if m["pdserve_decode_running"] or m["pdserve_decode_waiting"]:
+            if (
+                m["pdserve_decode_running"]
+                or m["pdserve_decode_waiting"]
+                or m["pdserve_decode_kv_blocks_used"]
+            ):
+                return False
+            if m["pdserve_kv_receives_in_flight"] or m["pdserve_kv_transfer_threads"] > m["pdserve_kv_pairs"]:
                 return False
         return True
 

@@ -49,8 +49,12 @@ ADDRS = {"prefill": ("127.0.0.1:1",), "decode": ("127.0.0.1:2",)}
         (ServerConfig, {"metrics_port": 70000}, r"^metrics_port must be in \[0, 65535\]"),
         (ServerConfig, {"metrics_port": -5}, r"^metrics_port "),
         (ServerConfig, {"grace_s": -0.5}, r"^grace_s must be a finite number >= 0, got -0\.5$"),
+        (ServerConfig, {"advertise_host": "a b"}, r"^advertise_host must be one host name or address"),
         (PrefillConfig, {"kv_port": 65536}, r"^kv_port must be in \[0, 65535\]"),
         (PrefillConfig, {"kv_port": -1}, r"^kv_port "),
+        (DecodeConfig, {"kv_block_size": 0}, r"^kv_block_size must be >= 1, got 0$"),
+        (DecodeConfig, {"max_kv_tokens": 8}, r"^max_kv_tokens must be >= kv_block_size \(16\), got 8$"),
+        (PrefillConfig, {"max_batch_tokens": 0}, r"^max_batch_tokens must be >= 1, got 0$"),
         (PrefillConfig, {"lease_s": float("nan")}, r"^lease_s must be a finite number > 0, got nan$"),
         (
             TransferConfig,
@@ -116,6 +120,8 @@ def test_defaults() -> None:
     assert (engine.model, engine.device, engine.dtype, engine.threads) == (DEFAULT_MODEL, "cpu", "auto", 1)
     assert TransferConfig() == TransferConfig(kv_backend="auto", transfer_timeout_s=30.0)
     assert ServerConfig() == ServerConfig(host="127.0.0.1", port=0, metrics_port=0, grace_s=5.0)
+    assert ServerConfig(host="0.0.0.0").public_host == "0.0.0.0"
+    assert ServerConfig(host="0.0.0.0", advertise_host="prefill").public_host == "prefill"
     assert PrefillConfig().lease_s == 30.0
     assert DecodeConfig().max_running == 64
 
@@ -321,7 +327,13 @@ def test_options_walk_nested_fields_depth_first() -> None:
 
 # --- env_names -----------------------------------------------------------------------------------
 
-SERVER_ENV = ["PDSERVE_HOST", "PDSERVE_PORT", "PDSERVE_METRICS_PORT", "PDSERVE_GRACE_S"]
+SERVER_ENV = [
+    "PDSERVE_HOST",
+    "PDSERVE_ADVERTISE_HOST",
+    "PDSERVE_PORT",
+    "PDSERVE_METRICS_PORT",
+    "PDSERVE_GRACE_S",
+]
 ENGINE_ENV = [
     "PDSERVE_MODEL",
     "PDSERVE_DEVICE",
@@ -339,8 +351,28 @@ TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S"]
         (ServerConfig, SERVER_ENV),
         (EngineConfig, ENGINE_ENV),
         (TransferConfig, TRANSFER_ENV),
-        (PrefillConfig, [*SERVER_ENV, *ENGINE_ENV, *TRANSFER_ENV, "PDSERVE_KV_PORT", "PDSERVE_LEASE_S"]),
-        (DecodeConfig, [*SERVER_ENV, *ENGINE_ENV, *TRANSFER_ENV, "PDSERVE_MAX_RUNNING"]),
+        (
+            PrefillConfig,
+            [
+                *SERVER_ENV,
+                *ENGINE_ENV,
+                *TRANSFER_ENV,
+                "PDSERVE_KV_PORT",
+                "PDSERVE_LEASE_S",
+                "PDSERVE_MAX_BATCH_TOKENS",
+            ],
+        ),
+        (
+            DecodeConfig,
+            [
+                *SERVER_ENV,
+                *ENGINE_ENV,
+                *TRANSFER_ENV,
+                "PDSERVE_MAX_RUNNING",
+                "PDSERVE_MAX_KV_TOKENS",
+                "PDSERVE_KV_BLOCK_SIZE",
+            ],
+        ),
         (
             GatewayConfig,
             [
@@ -350,6 +382,8 @@ TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S"]
                 "PDSERVE_MAX_MODEL_LEN",
                 "PDSERVE_PREFILL",
                 "PDSERVE_DECODE",
+                "PDSERVE_HTTP_PORT",
+                "PDSERVE_SERVED_MODEL_NAME",
             ],
         ),
     ],

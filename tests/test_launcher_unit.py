@@ -80,9 +80,9 @@ ready = {"ready": True, "service": args.role, "grpc": grpc_address,
          "metrics": f"127.0.0.1:{args.metrics_port or free_port()}", "pid": os.getpid()}
 if args.role == "prefill":
     ready["kv_rendezvous"] = f"127.0.0.1:{args.kv_port or free_port()}"
-print(json.dumps(ready), flush=True)
 with open(args.log, "a") as log:
     log.write(json.dumps({"name": args.name, "argv": sys.argv[1:], "time": time.monotonic(), **ready}) + "\n")
+print(json.dumps(ready), flush=True)
 
 marker = f"{args.log}.{args.name}.died"
 if args.behavior == "die-after-ready" or (args.behavior == "die-once" and not os.path.exists(marker)):

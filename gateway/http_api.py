@@ -1,0 +1,151 @@
+"""OpenAI-compatible HTTP API of the gateway, over the same request flow as the gRPC API.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed as server-sent events or
+whole), ``GET /v1/models``, ``GET /v1/models/{id}`` and ``GET /health``. A client that disconnects
+cancels its request, and with it decode; KV not yet pulled is released on the prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from gateway.http_responses import SseResponse, unless_disconnected
+from gateway.metrics import GatewayMetrics
+from gateway.openai_errors import (
+    SERVER_ERROR,
+    OpenAIError,
+    from_value_error,
+    install_handlers,
+    model_not_found,
+)
+from gateway.openai_generation import (
+    ResponseMeta,
+    Responses,
+    Totals,
+    chat_completion,
+    chat_events,
+    collect,
+    completion,
+    completion_events,
+    first_response,
+    observed,
+)
+from gateway.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+)
+from gateway.openai_requests import (
+    ChatPrompt,
+    chat_max_tokens,
+    check_supported,
+    completion_input,
+    completion_max_tokens,
+    max_tokens_param,
+    sampling_params,
+)
+from gateway.request_flow import RequestFlow
+from pdserve.model_limits import ModelLimits
+from pdserve.sampling import SamplingParams
+from pdserve.v1 import gateway_pb2
+
+EventsFn = Callable[[ResponseMeta, gateway_pb2.GenerateResponse, Responses, bool], AsyncGenerator[str, None]]
+BodyFn = Callable[[ResponseMeta, Totals], BaseModel]
+CLIENT_CLOSED = 499
+
+
+class OpenAIApi:
+    def __init__(
+        self,
+        flow: RequestFlow,
+        metrics: GatewayMetrics,
+        tokenizer: Any,
+        limits: ModelLimits,
+        model_id: str,
+    ) -> None:
+        self._flow = flow
+        self._metrics = metrics
+        self._chat = ChatPrompt(tokenizer)
+        self._limits = limits
+        self._model_id = model_id
+        self._created = int(time.time())
+        self.draining = False
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+        install_handlers(app)
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"], response_model=None)
+        app.add_api_route(
+            "/v1/chat/completions", self.chat_completions, methods=["POST"], response_model=None
+        )
+        app.add_api_route("/v1/models", self.models, methods=["GET"], response_model=None)
+        app.add_api_route("/v1/models/{model:path}", self.model, methods=["GET"], response_model=None)
+        app.add_api_route("/health", self.health, methods=["GET"], response_model=None)
+        return app
+
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        self._admit(body)
+        meta = ResponseMeta.new("cmpl", self._model_id)
+        request = completion_input(body, meta.id)
+        params = sampling_params(body, completion_max_tokens(body))
+        return await self._respond(raw, body, meta, request, params, completion_events, completion)
+
+    async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        self._admit(body)
+        meta = ResponseMeta.new("chatcmpl", self._model_id)
+        try:
+            ids = self._chat.token_ids(body.messages)
+            params = sampling_params(body, chat_max_tokens(body, len(ids), self._limits.max_model_len))
+            request = gateway_pb2.GenerateRequest(request_id=meta.id, prompt_token_ids=ids)
+            return await self._respond(raw, body, meta, request, params, chat_events, chat_completion)
+        except ValueError as exc:
+            raise from_value_error(exc, {"prompt": "messages", **max_tokens_param(body)}) from exc
+
+    async def models(self) -> JSONResponse:
+        return JSONResponse(ModelList(data=[self._card()]).model_dump())
+
+    async def model(self, model: str) -> JSONResponse:
+        if model != self._model_id:
+            raise model_not_found(model)
+        return JSONResponse(self._card().model_dump())
+
+    async def health(self) -> Response:
+        return Response(status_code=503 if self.draining else 200)
+
+    def _card(self) -> ModelCard:
+        return ModelCard(id=self._model_id, created=self._created, max_model_len=self._limits.max_model_len)
+
+    def _admit(self, body: SamplingFields) -> None:
+        if self.draining:
+            raise OpenAIError(503, "the gateway is shutting down", SERVER_ERROR, code="service_unavailable")
+        if body.model is not None and body.model != self._model_id:
+            raise model_not_found(body.model)
+        check_supported(body)
+
+    async def _respond(
+        self,
+        raw: Request,
+        body: SamplingFields,
+        meta: ResponseMeta,
+        request: gateway_pb2.GenerateRequest,
+        params: SamplingParams,
+        events: EventsFn,
+        whole: BodyFn,
+    ) -> Response:
+        responses = observed(self._flow, self._metrics, request, params)
+        if body.stream:
+            first = await first_response(responses)
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return SseResponse(events(meta, first, responses, include_usage))
+        totals = await unless_disconnected(raw, collect(responses))
+        if totals is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(whole(meta, totals).model_dump())

@@ -1,0 +1,206 @@
+"""One request of the HTTP API through the request flow, rendered in OpenAI's shapes.
+
+The first response is awaited before anything is sent, so that bad input and unavailable backends
+get their HTTP status; after that a failure is one SSE ``error`` event. Streams end with
+``data: [DONE]``; with ``stream_options.include_usage`` the last chunk before it has empty
+``choices`` and the usage, as OpenAI sends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import cast
+
+import grpc
+from pydantic import BaseModel
+
+from gateway.metrics import GatewayMetrics
+from gateway.openai_errors import as_openai_error
+from gateway.openai_models import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChoice,
+    Delta,
+    FinishReason,
+    Usage,
+)
+from gateway.openai_requests import openai_finish_reason
+from gateway.request_flow import RequestFlow
+from pdserve.rpc_errors import RpcError
+from pdserve.sampling import SamplingParams
+from pdserve.v1 import gateway_pb2
+
+Responses = AsyncGenerator[gateway_pb2.GenerateResponse, None]
+DONE = "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> ResponseMeta:
+        return cls(f"{prefix}-{secrets.token_hex(12)}", int(time.time()), model)
+
+
+@dataclass
+class Totals:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    text: str = ""
+    finish_reason: FinishReason | None = None
+
+    def add(self, response: gateway_pb2.GenerateResponse) -> FinishReason | None:
+        """Counts one response; its OpenAI finish reason, or None while the request goes on."""
+        if response.num_prompt_tokens:
+            self.prompt_tokens = response.num_prompt_tokens
+        self.completion_tokens += len(response.token_ids)
+        self.text += response.text
+        if response.finish_reason:
+            self.finish_reason = openai_finish_reason(response.finish_reason)
+        return self.finish_reason
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+        )
+
+
+async def observed(
+    flow: RequestFlow, metrics: GatewayMetrics, request: gateway_pb2.GenerateRequest, params: SamplingParams
+) -> Responses:
+    """The flow's responses, counted in the gateway's metrics as the gRPC API counts them."""
+    metrics.requests.inc()
+    metrics.in_flight.inc()
+    try:
+        async with contextlib.aclosing(cast(Responses, flow.generate(request, params))) as responses:
+            async for response in responses:
+                metrics.generated_tokens.inc(len(response.token_ids))
+                yield response
+    except ValueError:
+        metrics.failed.labels("INVALID_ARGUMENT").inc()
+        raise
+    except RpcError as exc:
+        metrics.failed.labels(exc.code.name).inc()
+        raise
+    except (asyncio.CancelledError, GeneratorExit):
+        metrics.cancelled.inc()
+        raise
+    finally:
+        metrics.in_flight.dec()
+
+
+async def first_response(responses: Responses) -> gateway_pb2.GenerateResponse:
+    """Raises the request's error (ValueError, RpcError) when it fails before its first token."""
+    try:
+        return await anext(responses)
+    except StopAsyncIteration:
+        raise RpcError(grpc.StatusCode.INTERNAL, "the request ended without a response") from None
+
+
+async def _chain(first: gateway_pb2.GenerateResponse, rest: Responses) -> Responses:
+    yield first
+    async for response in rest:
+        yield response
+
+
+async def collect(responses: Responses) -> Totals:
+    """A whole request's text and counts (its error when it fails)."""
+    totals = Totals()
+    totals.add(await first_response(responses))
+    async for response in responses:
+        totals.add(response)
+    return totals
+
+
+def completion(meta: ResponseMeta, totals: Totals) -> Completion:
+    return Completion(
+        id=meta.id,
+        created=meta.created,
+        model=meta.model,
+        choices=[CompletionChoice(text=totals.text, finish_reason=totals.finish_reason or "stop")],
+        usage=totals.usage(),
+    )
+
+
+def chat_completion(meta: ResponseMeta, totals: Totals) -> ChatCompletion:
+    return ChatCompletion(
+        id=meta.id,
+        created=meta.created,
+        model=meta.model,
+        choices=[
+            ChatChoice(
+                message=AssistantMessage(content=totals.text), finish_reason=totals.finish_reason or "stop"
+            )
+        ],
+        usage=totals.usage(),
+    )
+
+
+def sse(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+async def completion_events(
+    meta: ResponseMeta, first: gateway_pb2.GenerateResponse, rest: Responses, include_usage: bool
+) -> AsyncGenerator[str, None]:
+    totals = Totals()
+    try:
+        async for response in _chain(first, rest):
+            reason = totals.add(response)
+            if response.text or reason is not None:
+                choice = CompletionChoice(text=response.text, finish_reason=reason)
+                yield sse(Completion(id=meta.id, created=meta.created, model=meta.model, choices=[choice]))
+        if include_usage:
+            yield sse(
+                Completion(
+                    id=meta.id, created=meta.created, model=meta.model, choices=[], usage=totals.usage()
+                )
+            )
+    except Exception as exc:
+        yield sse(as_openai_error(exc).model())
+    finally:
+        await rest.aclose()
+    yield DONE
+
+
+async def chat_events(
+    meta: ResponseMeta, first: gateway_pb2.GenerateResponse, rest: Responses, include_usage: bool
+) -> AsyncGenerator[str, None]:
+    def chunk(delta: Delta, reason: FinishReason | None = None) -> str:
+        choice = ChatChunkChoice(delta=delta, finish_reason=reason)
+        return sse(ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice]))
+
+    totals = Totals()
+    try:
+        yield chunk(Delta(role="assistant", content=""))
+        async for response in _chain(first, rest):
+            reason = totals.add(response)
+            if response.text:
+                yield chunk(Delta(content=response.text))
+            if reason is not None:
+                yield chunk(Delta(), reason)
+        if include_usage:
+            yield sse(
+                ChatCompletionChunk(
+                    id=meta.id, created=meta.created, model=meta.model, choices=[], usage=totals.usage()
+                )
+            )
+    except Exception as exc:
+        yield sse(as_openai_error(exc).model())
+    finally:
+        await rest.aclose()
+    yield DONE

@@ -1,0 +1,88 @@
+"""One benchmark run against a base URL, from config to JSON-ready result.
+
+1. The model id is ``--model`` or the first of ``GET /v1/models``; the tokenizer (for prompts and
+   token counts) is ``--tokenizer``, else ``--launch``, else the model id when it names a local
+   directory or a pdserve preset.
+2. Warm-up, then the measured requests; the CPU seconds of the server trees are taken around the
+   measured part only.
+3. Metrics, the JSON-ready result and its table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench.config import BenchConfig, parse_extra_body
+from pdserve.bench.cpu_time import CpuMeter
+from pdserve.bench.metrics import compute_metrics
+from pdserve.bench.openai_client import first_model_id
+from pdserve.bench.report import build_result, format_table
+from pdserve.bench.runner import Target, TokenCounter, new_session, run_requests, warm_up
+from pdserve.bench.workload import arrival_offsets, sample_requests
+
+UNREPORTED_FIELDS = ("json", "output_file", "progress", "server_pid", "launch_timeout_s", "request_timeout_s")
+
+
+def load_tokenizer(spec: str) -> Any:
+    """A transformers tokenizer from a directory or pdserve preset; None when ``spec`` names neither."""
+    from transformers import AutoTokenizer
+
+    from pdserve.model_source import PRESETS, resolve_model_dir
+
+    path = Path(spec).expanduser()
+    if spec and path.is_dir():
+        return AutoTokenizer.from_pretrained(str(path))
+    if spec in PRESETS:
+        return AutoTokenizer.from_pretrained(str(resolve_model_dir(spec)))
+    return None
+
+
+def token_counter(tokenizer: Any) -> TokenCounter | None:
+    if tokenizer is None:
+        return None
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+
+
+async def run_benchmark(config: BenchConfig, base_url: str, pids: list[int]) -> dict[str, Any]:
+    """Runs ``config`` against ``base_url``; the result of ``report.build_result`` plus ``table``."""
+    async with new_session(config.concurrency) as session:
+        model = config.model or await first_model_id(session, base_url)
+        tokenizer = load_tokenizer(config.tokenizer or config.launch or model)
+        if config.tokenizer and tokenizer is None:
+            raise ValueError(f"tokenizer {config.tokenizer!r} is neither a directory nor a pdserve preset")
+        requests = sample_requests(
+            config.num_prompts,
+            config.input_len,
+            config.output_len,
+            config.random_range_ratio,
+            config.seed,
+            token_ids=config.uses_token_ids,
+            tokenizer=tokenizer,
+            vocab_size=config.vocab_size,
+        )
+        offsets = arrival_offsets(config.num_prompts, config.request_rate, config.seed)
+        target = Target(
+            base_url,
+            model,
+            config.endpoint,
+            config.temperature,
+            config.ignore_eos,
+            config.request_timeout_s,
+            parse_extra_body(config.extra_body),
+        )
+        count_tokens = token_counter(tokenizer)
+        await warm_up(session, target, requests[0], config.num_warmup, count_tokens)
+        meter = CpuMeter(pids)
+        meter.start()
+        run = await run_requests(
+            session, target, requests, offsets, config.concurrency, count_tokens, config.progress
+        )
+        cpu_s = meter.stop() if pids else None
+    metrics = compute_metrics(run.records, run.duration_s, config.slo_ms)
+    settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in UNREPORTED_FIELDS}
+    settings.update(base_url=base_url, model=model, slo=list(config.slo))
+    result = build_result(metrics, run.records, settings, cpu_s)
+    result["table"] = format_table(metrics, cpu_s, title=f"{model} @ {base_url} ({config.endpoint})")
+    return result

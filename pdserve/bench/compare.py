@@ -1,0 +1,105 @@
+"""One comparison table from several ``pdserve bench --json`` results.
+
+    python -m pdserve.bench.compare [--baseline NAME] NAME=RESULT.json ...
+
+Each row is one system; the ratio column divides its output tok/s by the baseline's (the first
+row unless ``--baseline`` names another).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+COLUMNS = (
+    ("system", "<"),
+    ("ok/failed", ">"),
+    ("out tok/s", ">"),
+    ("x baseline", ">"),
+    ("TTFT mean", ">"),
+    ("TTFT p50", ">"),
+    ("TTFT p99", ">"),
+    ("TPOT mean", ">"),
+    ("ITL p50", ">"),
+    ("tok/CPU-s", ">"),
+)
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table(results: Sequence[tuple[str, dict[str, Any]]], baseline: str = "") -> str:
+    """A Markdown table of ``(name, result)`` pairs (times in ms)."""
+    if not results:
+        raise ValueError("no results to compare")
+    names = [name for name, _ in results]
+    if baseline and baseline not in names:
+        raise ValueError(f"baseline {baseline!r} is not one of {', '.join(names)}")
+    base = dict(results)[baseline or names[0]]["output_throughput"]
+    rows = []
+    for name, result in results:
+        rows.append(
+            [
+                name,
+                f"{result['completed']}/{result['failed']}",
+                _fmt(result["output_throughput"]),
+                _fmt(result["output_throughput"] / base if base else None, 2),
+                _fmt(result["ttft_ms"]["mean"]),
+                _fmt(result["ttft_ms"]["p50"]),
+                _fmt(result["ttft_ms"]["p99"]),
+                _fmt(result["tpot_ms"]["mean"]),
+                _fmt(result["itl_ms"]["p50"]),
+                _fmt(result.get("output_tokens_per_cpu_s")),
+            ]
+        )
+    widths = [max(len(title), *(len(row[i]) for row in rows)) for i, (title, _) in enumerate(COLUMNS)]
+
+    def line(cells: Sequence[str]) -> str:
+        padded = [
+            f"{cell:{align}{width}}" for cell, (_, align), width in zip(cells, COLUMNS, widths, strict=True)
+        ]
+        return "| " + " | ".join(padded) + " |"
+
+    separator = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1) + ":") if a == ">" else "-" * (w + 2)
+            for (_, a), w in zip(COLUMNS, widths, strict=True)
+        )
+        + "|"
+    )
+    return "\n".join([line([title for title, _ in COLUMNS]), separator, *(line(row) for row in rows)])
+
+
+def _named_result(text: str) -> tuple[str, dict[str, Any]]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=RESULT.json, got {text!r}")
+    try:
+        return name, json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {error}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.compare", description=__doc__)
+    parser.add_argument(
+        "--baseline", default="", help="system whose output tok/s is 1.0x (default: the first)"
+    )
+    parser.add_argument("results", nargs="+", type=_named_result, metavar="NAME=RESULT.json")
+    args = parser.parse_args(argv)
+    try:
+        print(table(args.results, args.baseline))
+    except (KeyError, ValueError) as error:
+        print(f"compare: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""Scripted peers of the KV handoff for failure tests: real PairChannel and gRPC, run step by step.
+
+Run as ``python -m tests.kv_peer decode`` or ``python -m tests.kv_peer prefill``. The peer reads
+one command per line on stdin and answers one JSON line on stdout per command, so a test can hold
+it at an exact point of a transfer and then SIGKILL or SIGSTOP it there.
+
+decode (the decode side of pairs with real prefills; the instance id is per command, so one
+process can play a decode and the same decode restarted):
+  pull INSTANCE HANDLE_HEX GENERATION -> PullKv; {"ok", "num_bytes"} or {"code", "min_generation"}
+  connect INSTANCE HANDLE_HEX GENERATION -> builds this side of that pair (no data moves)
+  recv INSTANCE HANDLE_HEX GENERATION PATH -> receives num_bytes into PATH
+prefill NUM_BYTES (a prefill whose PullKv answers NUM_BYTES but never sends): prints {"grpc", "rendezvous",
+"instance_id"} first, then {"pulled", "decode", "generation"} once a decode's pull has built the
+pair; the decode's receive then waits on this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from concurrent import futures
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from pdserve.kv_transport import (
+    DECODE_RANK,
+    MIN_GENERATION_METADATA,
+    PREFILL_RANK,
+    PairChannel,
+    connect_store,
+    host_store,
+    pair_prefix,
+)
+from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = timedelta(seconds=30)
+HOST = "127.0.0.1"
+CPU = torch.device("cpu")
+
+
+def _say(**message: Any) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def run_decode() -> None:
+    channels: dict[tuple[str, int], PairChannel] = {}
+    stores: dict[str, Any] = {}
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "exit":
+            break
+        instance, handle_hex, generation = args[0], args[1], int(args[2])
+        handle = kv_pb2.KvHandle.FromString(bytes.fromhex(handle_hex))
+        if handle.rendezvous_address not in stores:
+            stores[handle.rendezvous_address] = connect_store(handle.rendezvous_address, TIMEOUT)
+        key = (instance, generation)
+        if key not in channels:
+            prefix = pair_prefix(handle.prefill_instance_id, instance, generation)
+            store = stores[handle.rendezvous_address]
+            channels[key] = PairChannel(store, prefix, DECODE_RANK, "gloo", CPU, HOST, TIMEOUT)
+        channel = channels[key]
+        if command == "pull":
+            with grpc.insecure_channel(handle.prefill_address) as grpc_channel:
+                request = prefill_pb2.PullKvRequest(
+                    handle_id=handle.id, decode_instance_id=instance, pair_generation=generation
+                )
+                try:
+                    response = prefill_pb2_grpc.PrefillStub(grpc_channel).PullKv(request, timeout=30)
+                except grpc.RpcError as exc:
+                    metadata = dict(exc.trailing_metadata() or ())
+                    minimum = metadata.get(MIN_GENERATION_METADATA)
+                    _say(
+                        ok=False,
+                        code=exc.code().name,
+                        min_generation=int(minimum) if minimum else None,
+                    )
+                    continue
+            _say(ok=True, num_bytes=response.num_bytes)
+        elif command == "connect":
+            channel.connect().result()
+            _say(ok=True)
+        elif command == "recv":
+            buf = torch.empty(handle.num_bytes, dtype=torch.uint8)
+            channel.recv(buf).result()
+            with open(args[3], "wb") as out:
+                out.write(buf.numpy().tobytes())
+            _say(ok=True)
+    for channel in channels.values():
+        channel.close()
+
+
+class _SilentPrefill(prefill_pb2_grpc.PrefillServicer):
+    """Answers PullKv and builds the pair, but never sends."""
+
+    def __init__(self, instance_id: str, store: Any, num_bytes: int) -> None:
+        self._instance_id = instance_id
+        self._store = store
+        self._num_bytes = num_bytes
+        self._channels: list[PairChannel] = []
+
+    def PullKv(self, request: prefill_pb2.PullKvRequest, context: Any) -> prefill_pb2.PullKvResponse:
+        prefix = pair_prefix(self._instance_id, request.decode_instance_id, request.pair_generation)
+        channel = PairChannel(self._store, prefix, PREFILL_RANK, "gloo", CPU, HOST, TIMEOUT)
+        self._channels.append(channel)
+
+        def built(f: futures.Future[None]) -> None:
+            if f.exception() is None:
+                _say(pulled=True, decode=request.decode_instance_id, generation=request.pair_generation)
+
+        channel.connect().add_done_callback(built)
+        return prefill_pb2.PullKvResponse(num_bytes=self._num_bytes)
+
+
+def run_prefill(num_bytes: int) -> None:
+    store = host_store(HOST, 0, TIMEOUT)
+    instance_id = uuid.uuid4().hex
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    prefill_pb2_grpc.add_PrefillServicer_to_server(_SilentPrefill(instance_id, store, num_bytes), server)
+    port = server.add_insecure_port(f"{HOST}:0")
+    server.start()
+    _say(grpc=f"{HOST}:{port}", rendezvous=f"{HOST}:{store.port}", instance_id=instance_id)
+    threading.Event().wait()
+
+
+class Peer:
+    """A scripted peer process, driven from a test."""
+
+    def __init__(self, role: str, *args: str) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "tests.kv_peer", role, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+            env=env,
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self._lines.put(line)
+
+    def next_message(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        try:
+            message: dict[str, Any] = json.loads(self._lines.get(timeout=timeout_s))
+        except queue.Empty:
+            raise TimeoutError(f"the {self.popen.args!r} peer said nothing for {timeout_s} s") from None
+        return message
+
+    def ask(self, *words: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(" ".join(words) + "\n")
+        self.popen.stdin.flush()
+        return self.next_message(timeout_s)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(30)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    if sys.argv[1] == "decode":
+        run_decode()
+    else:
+        run_prefill(int(sys.argv[2]))

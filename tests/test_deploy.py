@@ -1,0 +1,378 @@
+"""The deployment files: Dockerfile, compose.yaml and the Kubernetes overlays.
+
+Each is checked by a real implementation (hadolint and BuildKit's Dockerfile parser,
+docker-compose, kustomize and the Kubernetes schemas), every environment variable they set is one
+the services read, and the start commands of the cpu profile and the cpu overlay are run as plain
+processes on 127.0.0.1 (addresses, model and cache swapped for local ones), become healthy and
+serve a request end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import dockerfile
+import kubernetes_validate
+import pytest
+
+from pdserve import cli_options
+from pdserve.config import DecodeConfig, GatewayConfig, PrefillConfig
+from pdserve.health_client import poll_until_serving
+from tests import deploy_tools
+from tests.grpc_client import make_request, run
+from tests.stack import REPO_ROOT, scrape, service_env
+
+CONFIGS: dict[str, type] = {"prefill": PrefillConfig, "decode": DecodeConfig, "gateway": GatewayConfig}
+# Read by the libraries the services run (NCCL), not by pdserve's own settings.
+LIBRARY_VARIABLES = {"NCCL_SOCKET_IFNAME", "NCCL_DEBUG"}
+PORT_VARIABLES = ("PDSERVE_PORT", "PDSERVE_METRICS_PORT", "PDSERVE_KV_PORT")
+K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
+OVERLAYS = REPO_ROOT / "deploy" / "k8s" / "overlays"
+
+
+@dataclass
+class Start:
+    """One container's start command, as a deployment file states it."""
+
+    name: str
+    reach: str  # the host name the other containers use for it
+    argv: list[str]
+    env: dict[str, str]  # a value the platform fills in (the pod IP) is ""
+    health: list[str]  # the health command, run inside the container
+    grace_s: float = 0.0  # SIGTERM to SIGKILL
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def service(self) -> str:
+        return self.argv[1]
+
+
+def read_variables() -> dict[str, set[str]]:
+    """Per service, the environment variables it reads: its settings, and those read in code."""
+    in_code = set()
+    packages = ("pdserve", "prefill_service", "decode_service", "gateway")
+    for path in (p for package in packages for p in (REPO_ROOT / package).rglob("*.py")):
+        in_code.update(re.findall(r"environ(?:\.get\(|\[)\"(PDSERVE_[A-Z_]+)\"", path.read_text()))
+    return {name: set(cli_options.env_names(cls)) | in_code for name, cls in CONFIGS.items()}
+
+
+def parse_duration_s(text: str) -> float:
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", text)
+    assert parts and "".join(n + u for n, u in parts) == text, f"unreadable duration {text!r}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+# --- compose -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tools() -> Path:
+    return deploy_tools.tool_env()
+
+
+@pytest.fixture(scope="module")
+def compose(tools: Path) -> dict[str, Any]:
+    return deploy_tools.compose_config(tools, REPO_ROOT / "compose.yaml", ("cpu", "gpu"))
+
+
+def compose_starts(config: dict[str, Any], profile: str) -> list[Start]:
+    starts = []
+    for name, svc in sorted(config["services"].items()):
+        if profile not in svc.get("profiles", []):
+            continue
+        test = svc["healthcheck"]["test"]
+        assert test[0] == "CMD", f"{name}: the health check runs a command without a shell"
+        starts.append(
+            Start(
+                name,
+                name,
+                list(svc["command"]),
+                {k: str(v) for k, v in svc["environment"].items()},
+                list(test[1:]),
+                parse_duration_s(svc["stop_grace_period"]),
+                svc,
+            )
+        )
+    return starts
+
+
+def test_compose_profiles_run_the_three_services(compose: dict[str, Any]) -> None:
+    for profile in ("cpu", "gpu"):
+        starts = compose_starts(compose, profile)
+        assert sorted(s.service for s in starts) == ["decode", "gateway", "prefill"]
+        for start in starts:
+            svc = start.extra
+            # Only the gateway is published, on the port it serves.
+            published = svc.get("ports", [])
+            assert bool(published) == (start.service == "gateway"), start.name
+            assert all(p["target"] == int(start.env["PDSERVE_PORT"]) for p in published), published
+            if start.service == "gateway":
+                assert {d: c["condition"] for d, c in svc["depends_on"].items()} == {
+                    s.name: "service_healthy" for s in starts if s.service != "gateway"
+                }
+            assert start.grace_s > float(start.env["PDSERVE_GRACE_S"]), start.name
+    gpus = {s.service: s.extra for s in compose_starts(compose, "gpu")}
+    device_ids = [
+        gpus[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+        for name in ("prefill", "decode")
+    ]
+    assert device_ids[0] != device_ids[1], "prefill and decode must have GPUs of their own"
+    # One IPC namespace and one sized /dev/shm for the two of them.
+    assert gpus["prefill"]["ipc"] == "shareable" and gpus["prefill"]["shm_size"]
+    assert gpus["decode"]["ipc"] == "service:prefill-gpu"
+
+
+def test_compose_sets_only_variables_the_services_read(compose: dict[str, Any]) -> None:
+    read = read_variables()
+    for profile in ("cpu", "gpu"):
+        for start in compose_starts(compose, profile):
+            assert start.argv == ["pdserve", start.service], (
+                f"{start.name}: settings belong in the environment"
+            )
+            unknown = set(start.env) - read[start.service] - LIBRARY_VARIABLES
+            assert not unknown, f"{start.name} sets variables that {start.service} does not read: {unknown}"
+            assert_env_builds_a_config(start)
+
+
+def assert_env_builds_a_config(start: Start) -> None:
+    """The settings parse and validate as the service's config (a filled-in pod IP stands in)."""
+    env = {k: v or "10.0.0.7" for k, v in start.env.items()}
+    parser = argparse.ArgumentParser()
+    cli_options.add_arguments(parser, CONFIGS[start.service], env)
+    cli_options.build(CONFIGS[start.service], parser.parse_args([]))
+
+
+# --- Kubernetes ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def overlays() -> dict[str, list[dict[str, Any]]]:
+    return {name: deploy_tools.kustomize(OVERLAYS / name) for name in ("cpu", "gpu")}
+
+
+def k8s_starts(resources: list[dict[str, Any]]) -> list[Start]:
+    starts = []
+    for res in resources:
+        if res["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        name = res["metadata"]["name"]
+        pod = res["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert "command" not in container, f"{name}: the image's entrypoint (tini) stays"
+        reach = f"{name}-0.{res['spec']['serviceName']}" if res["kind"] == "StatefulSet" else name
+        env = {e["name"]: str(e.get("value", "")) for e in container["env"]}
+        port = container["readinessProbe"]["grpc"]["port"]
+        health = ["pdserve", "health", f"127.0.0.1:{port}"]
+        starts.append(
+            Start(
+                name, reach, list(container["args"]), env, health, pod["terminationGracePeriodSeconds"], res
+            )
+        )
+    return starts
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_k8s_overlays_validate_against_the_schemas(
+    overlays: dict[str, list[dict[str, Any]]], overlay: str, version: str
+) -> None:
+    for res in overlays[overlay]:
+        kubernetes_validate.validate(res, version, strict=True)
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_k8s_workloads(overlays: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+    resources = overlays[overlay]
+    services = {r["metadata"]["name"]: r for r in resources if r["kind"] == "Service"}
+    starts = {s.service: s for s in k8s_starts(resources)}
+    read = read_variables()
+    assert sorted(starts) == ["decode", "gateway", "prefill"]
+    for start in starts.values():
+        assert start.argv == ["pdserve", start.service], f"{start.name}: settings belong in the environment"
+        unknown = set(start.env) - read[start.service] - LIBRARY_VARIABLES
+        assert not unknown, f"{start.name} sets variables that {start.service} does not read: {unknown}"
+        assert_env_builds_a_config(start)
+        pod = start.extra["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        port = int(start.env["PDSERVE_PORT"])
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == port, f"{start.name} {probe}"
+        pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre_stop[0] == "sleep"
+        assert start.grace_s >= float(pre_stop[1]) + float(start.env["PDSERVE_GRACE_S"]) + 5, start.name
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        advertise = [e for e in container["env"] if e["name"] == "PDSERVE_ADVERTISE_HOST"]
+        assert advertise == [
+            {"name": "PDSERVE_ADVERTISE_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        ]
+    for name in ("prefill", "decode"):
+        sts = starts[name].extra
+        assert sts["kind"] == "StatefulSet"
+        assert services[sts["spec"]["serviceName"]]["spec"]["clusterIP"] == "None", "a headless Service"
+        mounts = {m["mountPath"] for m in sts["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+        assert "/dev/shm" in mounts
+    rendezvous = starts["prefill"].extra["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert {
+        "name": "kv-rendezvous",
+        "containerPort": int(starts["prefill"].env["PDSERVE_KV_PORT"]),
+    } in rendezvous
+    decode_pod = starts["decode"].extra["spec"]["template"]["spec"]
+    if overlay == "gpu":
+        for name in ("prefill", "decode"):
+            resources_ = starts[name].extra["spec"]["template"]["spec"]["containers"][0]["resources"]
+            assert resources_["limits"]["nvidia.com/gpu"] == 1
+        (term,) = decode_pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        assert (
+            term["labelSelector"]["matchLabels"] == starts["prefill"].extra["spec"]["selector"]["matchLabels"]
+        )
+
+
+# --- Dockerfile ----------------------------------------------------------------------------------
+
+
+def test_dockerfile_lints_and_builds_both_targets_as_a_non_root_user(
+    tools: Path, compose: dict[str, Any], overlays: dict[str, list[dict[str, Any]]]
+) -> None:
+    lint = deploy_tools.hadolint(tools, REPO_ROOT / "Dockerfile")
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    commands = dockerfile.parse_file(str(REPO_ROOT / "Dockerfile"))
+    defaults = dict(c.value[0].split("=", 1) for c in commands if c.cmd == "ARG" and "=" in c.value[0])
+    stages: dict[str, list[Any]] = {}
+    current: list[Any] = []
+    for command in commands:
+        if command.cmd == "FROM":
+            image = re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], command.value[0])
+            assert re.search(r":\d[\w.-]*$", image), f"base image {image} is not pinned to a version"
+            current = stages.setdefault(command.value[2], [])
+        current.append(command)
+    for target in ("cpu", "gpu"):
+        entrypoints = [list(c.value) for c in stages[target] if c.cmd == "ENTRYPOINT"]
+        assert entrypoints[-1] == ["tini", "--"], f"{target}: an init process forwards the signals"
+        users = [c.value[0] for c in stages[target] if c.cmd == "USER"]
+        assert users and users[-1].split(":")[0].isdigit() and users[-1].split(":")[0] != "0", target
+        volumes = [v for c in stages[target] if c.cmd == "VOLUME" for v in c.value]
+        assert "/var/cache/pdserve" in volumes
+    for command in commands:
+        if command.cmd == "COPY" and not any(f.startswith("--from") for f in command.flags):
+            for source in command.value[:-1]:
+                assert (REPO_ROOT / source).exists(), source
+                assert not re.search(r"safetensors|gguf|models?/", source), f"{source}: no model in the image"
+    # compose builds these targets; the overlays run the images tagged by them.
+    assert {svc["build"]["target"] for svc in compose["services"].values()} == {"cpu", "gpu"}
+    assert all(svc["image"] == f"pdserve:{svc['build']['target']}" for svc in compose["services"].values())
+    for overlay, resources in overlays.items():
+        images = {
+            c["image"]
+            for r in resources
+            if "template" in r.get("spec", {})
+            for c in r["spec"]["template"]["spec"]["containers"]
+        }
+        assert images == {f"pdserve:{overlay}"}
+
+
+# --- the start commands as processes --------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def localize(starts: list[Start], cache_dir: Path) -> list[tuple[Start, dict[str, str], list[str]]]:
+    """Each start with its addresses on 127.0.0.1 (fresh ports), tiny-llama and the test cache."""
+    ports = {(s.reach, int(s.env[k])): free_port() for s in starts for k in PORT_VARIABLES if k in s.env}
+
+    def local(address: str, reach: str | None = None) -> str:
+        host, _, port = address.rpartition(":")
+        key = (reach or host, int(port))
+        assert key in ports, f"{address}: no service of this file is reached there ({sorted(ports)})"
+        return f"127.0.0.1:{ports[key]}"
+
+    runs = []
+    for start in starts:
+        env = dict(start.env)
+        env.update(PDSERVE_HOST="127.0.0.1", PDSERVE_ADVERTISE_HOST="127.0.0.1")
+        env.update(PDSERVE_MODEL="tiny-llama", PDSERVE_CACHE_DIR=str(cache_dir))
+        for key in PORT_VARIABLES:
+            if key in env:
+                env[key] = str(ports[(start.reach, int(env[key]))])
+        for key in ("PDSERVE_PREFILL", "PDSERVE_DECODE"):
+            if key in env:
+                env[key] = ",".join(local(a) for a in env[key].split(","))
+        health = [*start.health[:-1], local(start.health[-1], start.reach)]
+        runs.append((start, env, health))
+    return runs
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("source", ["compose", "k8s"])
+def test_start_commands_run_as_plain_processes(
+    source: str,
+    request: pytest.FixtureRequest,
+    cache_dir: Path,
+    tmp_path: Path,
+    processes: list[subprocess.Popen[str]],
+) -> None:
+    if source == "compose":
+        starts = compose_starts(request.getfixturevalue("compose"), "cpu")
+    else:
+        starts = k8s_starts(request.getfixturevalue("overlays")["cpu"])
+    runs = localize(starts, cache_dir)
+    for start, env, _ in runs:
+        assert start.argv[0] == "pdserve"
+        log = (tmp_path / f"{start.name}.log").open("w")
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "pdserve", *start.argv[1:]],
+                env={**service_env(cache_dir), **env},
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                text=True,
+                cwd=REPO_ROOT,
+            )
+        )
+    by_service = {}
+    for (start, env, health), proc in zip(runs, processes, strict=True):
+        status = poll_until_serving(health[-1], timeout_s=180)
+        assert status == "SERVING", (
+            f"{start.name}: {status}\n{(tmp_path / f'{start.name}.log').read_text()[-3000:]}"
+        )
+        assert proc.poll() is None
+        done = subprocess.run([sys.executable, "-m", *health], capture_output=True, text=True, cwd=REPO_ROOT)
+        assert (done.returncode, done.stdout.strip()) == (0, "SERVING"), f"{start.name}: {health}"
+        by_service[start.service] = env
+
+    gateway = f"127.0.0.1:{by_service['gateway']['PDSERVE_PORT']}"
+    result = run(
+        gateway, make_request(prompt_token_ids=[5, 6, 7], max_tokens=8, temperature=0.0, ignore_eos=True)
+    )
+    assert (len(result.token_ids), result.finish_reason) == (8, "length")
+    prefill = scrape(f"127.0.0.1:{by_service['prefill']['PDSERVE_METRICS_PORT']}")
+    assert prefill["pdserve_kv_parked_handles"] == 0
+    decode = scrape(f"127.0.0.1:{by_service['decode']['PDSERVE_METRICS_PORT']}")
+    assert decode["pdserve_decode_running"] == 0 and decode["pdserve_decode_waiting"] == 0
+
+    for proc in reversed(processes):
+        proc.send_signal(signal.SIGTERM)
+    assert [proc.wait(30) for proc in processes] == [0] * len(processes)

@@ -1,0 +1,568 @@
+"""The gateway's OpenAI-compatible HTTP API, driven by the official `openai` client against real
+processes on 127.0.0.1: same tokens as the gRPC API, OpenAI's shapes and errors, cancellation on
+disconnect, and `pdserve up --http-port`.
+
+The stack serves a copy of tiny-llama whose EOS is the greedy first token of EOS_PROMPT, so that the
+"eos" finish and `ignore_eos` can be seen; prompts that must run to max_tokens set ignore_eos.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from pdserve.model_source import resolve_model_dir
+from tests.conftest import EOS_PROMPT, assert_no_leaks, first_greedy_token
+from tests.grpc_client import make_request, run
+from tests.stack import REPO_ROOT, ServiceProcess, Stack, scrape, service_env, wait_for
+
+MODEL_ID = "tiny-llama-eos"
+LONG = 1900  # tokens: a request that is still decoding when its client leaves
+
+
+class HttpStack:
+    def __init__(self, stack: Stack, model_dir: Path, eos: int) -> None:
+        self.stack = stack
+        self.model_dir = model_dir
+        self.eos = eos
+        assert stack.gateway is not None
+        self.http = str(stack.gateway.ready["http"])
+        self.client = openai.OpenAI(base_url=f"http://{self.http}/v1", api_key="unused", max_retries=0)
+
+    def grpc(self, **fields: Any) -> Any:
+        return run(self.stack.address, make_request(**fields))
+
+
+@pytest.fixture(scope="module")
+def http_stack(
+    cache_dir: Path, reference_models: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[HttpStack]:
+    model, _ = reference_models("tiny-llama")
+    eos = first_greedy_token(model, EOS_PROMPT)
+    model_dir = tmp_path_factory.mktemp("http-model") / "tiny-llama-eos"
+    shutil.copytree(resolve_model_dir("tiny-llama", cache_dir), model_dir)
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        data = json.loads(path.read_text())
+        data["eos_token_id"] = eos
+        path.write_text(json.dumps(data))
+    stack = Stack(
+        str(model_dir),
+        cache_dir,
+        tmp_path_factory.mktemp("http-logs"),
+        gateway_args=["--http-port", "0", "--served-model-name", MODEL_ID],
+    ).start()
+    try:
+        yield HttpStack(stack, model_dir, eos)
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(autouse=True)
+def leak_check_http(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "http_stack" in request.fixturenames:
+        assert_no_leaks(request.getfixturevalue("http_stack").stack)
+
+
+def http_get(address: str, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://{address}{path}", timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def http_post(address: str, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(
+        f"http://{address}{path}", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+# --- models and health ---------------------------------------------------------------------------
+
+
+def test_models_and_health(http_stack: HttpStack) -> None:
+    models = http_stack.client.models.list()
+    assert [m.id for m in models.data] == [MODEL_ID]
+    assert models.data[0].owned_by == "pdserve"
+    assert http_stack.client.models.retrieve(MODEL_ID).id == MODEL_ID
+    with pytest.raises(openai.NotFoundError):
+        http_stack.client.models.retrieve("other-model")
+    assert http_get(http_stack.http, "/health") == (200, b"")
+
+
+# --- completions ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", ["The capital of France is", "héllo wörld, 世界 🙂"])
+def test_completion_equals_grpc(http_stack: HttpStack, prompt: str) -> None:
+    expected = http_stack.grpc(prompt=prompt, max_tokens=20, temperature=0.0, ignore_eos=True)
+    result = http_stack.client.completions.create(
+        model=MODEL_ID, prompt=prompt, max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert result.object == "text_completion" and result.model == MODEL_ID
+    assert result.id.startswith("cmpl-")
+    assert len(result.choices) == 1
+    assert result.choices[0].text == expected.text
+    assert result.choices[0].finish_reason == "length"
+    assert result.usage is not None
+    assert result.usage.prompt_tokens == expected.chunks[0].num_prompt_tokens
+    assert result.usage.completion_tokens == len(expected.token_ids) == 20
+    assert result.usage.total_tokens == result.usage.prompt_tokens + 20
+
+
+def test_completion_stream_with_usage_equals_grpc(http_stack: HttpStack) -> None:
+    expected = http_stack.grpc(prompt="Once upon a time", max_tokens=24, temperature=0.0, ignore_eos=True)
+    chunks = list(
+        http_stack.client.completions.create(
+            model=MODEL_ID,
+            prompt="Once upon a time",
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    *content, last = chunks
+    assert len(content) > 1
+    assert "".join(c.choices[0].text for c in content) == expected.text
+    assert [c.choices[0].finish_reason for c in content] == [None] * (len(content) - 1) + ["length"]
+    assert all(c.usage is None for c in content)
+    assert last.choices == [] and last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
+        expected.chunks[0].num_prompt_tokens,
+        24,
+    )
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completion_stream_without_include_usage_has_no_usage_chunk(http_stack: HttpStack) -> None:
+    chunks = list(
+        http_stack.client.completions.create(
+            model=MODEL_ID, prompt="Hello", max_tokens=5, temperature=0, stream=True
+        )
+    )
+    assert all(len(c.choices) == 1 and c.usage is None for c in chunks)
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_completion_of_token_ids_equals_grpc(http_stack: HttpStack) -> None:
+    ids = [5, 6, 7, 300, 41]
+    expected = http_stack.grpc(prompt_token_ids=ids, max_tokens=10, temperature=0.0, ignore_eos=True)
+    for prompt in (ids, [ids]):
+        result = http_stack.client.completions.create(
+            model=MODEL_ID, prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert result.choices[0].text == expected.text
+        assert result.usage is not None and result.usage.prompt_tokens == len(ids)
+
+
+def test_eos_is_stop_and_ignore_eos_runs_on(http_stack: HttpStack) -> None:
+    ended = http_stack.client.completions.create(
+        model=MODEL_ID, prompt=EOS_PROMPT, max_tokens=8, temperature=0
+    )
+    assert ended.choices[0].finish_reason == "stop"
+    assert ended.usage is not None and ended.usage.completion_tokens == 1
+    streamed = list(
+        http_stack.client.completions.create(
+            model=MODEL_ID, prompt=EOS_PROMPT, max_tokens=8, temperature=0, stream=True
+        )
+    )
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    ignored = http_stack.client.completions.create(
+        model=MODEL_ID, prompt=EOS_PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert ignored.choices[0].finish_reason == "length"
+    assert ignored.usage is not None and ignored.usage.completion_tokens == 8
+
+
+def test_stop_strings(http_stack: HttpStack) -> None:
+    prompt = "Once upon a time"
+    full = http_stack.grpc(prompt=prompt, max_tokens=48, temperature=0.0, ignore_eos=True).text
+    stop = next(
+        full[i : i + 3]
+        for i in range(8, len(full) - 3)
+        if full[i : i + 3].strip() == full[i : i + 3] and full.index(full[i : i + 3]) == i
+    )
+    for stops in (stop, [stop, "\x00never"]):
+        result = http_stack.client.completions.create(
+            model=MODEL_ID,
+            prompt=prompt,
+            max_tokens=48,
+            temperature=0,
+            stop=stops,
+            extra_body={"ignore_eos": True},
+        )
+        assert result.choices[0].text == full[: full.index(stop)]
+        assert result.choices[0].finish_reason == "stop"
+        assert result.usage is not None and result.usage.completion_tokens < 48
+    streamed = http_stack.client.completions.create(
+        model=MODEL_ID,
+        prompt=prompt,
+        max_tokens=48,
+        temperature=0,
+        stop=[stop],
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == full[: full.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_top_k_and_seed(http_stack: HttpStack) -> None:
+    prompt = "The weather today"
+
+    def sampled(**extra: Any) -> str:
+        result = http_stack.client.completions.create(
+            model=MODEL_ID,
+            prompt=prompt,
+            max_tokens=16,
+            temperature=1.0,
+            seed=7,
+            extra_body={"ignore_eos": True, **extra},
+        )
+        return result.choices[0].text
+
+    greedy = http_stack.grpc(prompt=prompt, max_tokens=16, temperature=0.0, ignore_eos=True).text
+    assert sampled(top_k=1) == greedy
+    free = sampled()
+    assert free != greedy
+    assert sampled() == free
+    assert sampled(top_k=-1) == free  # vLLM's "off"
+    seeded = http_stack.grpc(prompt=prompt, max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    assert free == seeded.text
+
+
+# --- chat completions ----------------------------------------------------------------------------
+
+
+def test_chat_equals_grpc_chat(http_stack: HttpStack) -> None:
+    expected = http_stack.grpc(
+        prompt="hi there", apply_chat_template=True, max_tokens=12, temperature=0.0, ignore_eos=True
+    )
+    result = http_stack.client.chat.completions.create(
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": "hi there"}],
+        max_completion_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert result.object == "chat.completion" and result.id.startswith("chatcmpl-")
+    assert result.choices[0].message.role == "assistant"
+    assert result.choices[0].message.content == expected.text
+    assert result.choices[0].finish_reason == "length"
+    assert result.usage is not None
+    assert result.usage.prompt_tokens == expected.chunks[0].num_prompt_tokens
+    assert result.usage.completion_tokens == 12
+
+    chunks = list(
+        http_stack.client.chat.completions.create(
+            model=MODEL_ID,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "hi there"}]}],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    *content, last = chunks
+    assert content[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in content) == expected.text
+    assert content[-1].choices[0].finish_reason == "length"
+    assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == 12
+
+
+def test_chat_template_covers_the_whole_conversation(http_stack: HttpStack) -> None:
+    messages: list[Any] = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": [{"type": "text", "text": "Another "}, {"type": "text", "text": "one?"}]},
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(http_stack.model_dir)
+    conversation = [
+        {"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else "Another one?"}
+        for m in messages
+    ]
+    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    expected = http_stack.grpc(prompt_token_ids=ids, max_tokens=10, temperature=0.0, ignore_eos=True)
+    result = http_stack.client.chat.completions.create(
+        model=MODEL_ID, messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert result.usage is not None and result.usage.prompt_tokens == len(ids)
+    assert result.choices[0].message.content == expected.text
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+COMPLETION: dict[str, Any] = {"model": MODEL_ID, "prompt": "hi", "max_tokens": 4}
+CHAT: dict[str, Any] = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+ERROR_CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
+    # (case, path, body, status, param, code)
+    ("bad temperature", "/v1/completions", {**COMPLETION, "temperature": -1}, 400, "temperature", None),
+    ("max_tokens 0", "/v1/completions", {**COMPLETION, "max_tokens": 0}, 400, "max_tokens", None),
+    ("prompt too long", "/v1/completions", {**COMPLETION, "prompt": [5] * 2100}, 400, "prompt", None),
+    (
+        "token outside vocabulary",
+        "/v1/completions",
+        {**COMPLETION, "prompt": [5, 10**6]},
+        400,
+        "prompt",
+        None,
+    ),
+    ("empty prompt", "/v1/completions", {**COMPLETION, "prompt": ""}, 400, "prompt", None),
+    ("two prompts", "/v1/completions", {**COMPLETION, "prompt": ["a", "b"]}, 400, "prompt", None),
+    ("top_p zero", "/v1/completions", {**COMPLETION, "top_p": 0}, 400, "top_p", None),
+    ("empty stop", "/v1/completions", {**COMPLETION, "stop": [""]}, 400, "stop", None),
+    ("n=2", "/v1/completions", {**COMPLETION, "n": 2}, 400, "n", None),
+    ("unknown model", "/v1/completions", {**COMPLETION, "model": "gpt-9"}, 404, "model", "model_not_found"),
+    (
+        "max_tokens not a number",
+        "/v1/completions",
+        {**COMPLETION, "max_tokens": "x"},
+        400,
+        "max_tokens",
+        None,
+    ),
+    ("malformed JSON", "/v1/completions", b'{"prompt": "hi",', 400, None, None),
+    ("chat n=2", "/v1/chat/completions", {**CHAT, "n": 2}, 400, "n", None),
+    ("chat unknown model", "/v1/chat/completions", {**CHAT, "model": "x"}, 404, "model", "model_not_found"),
+    ("chat no messages", "/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages", None),
+    (
+        "chat image part",
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "messages",
+        None,
+    ),
+    (
+        "chat max_completion_tokens 0",
+        "/v1/chat/completions",
+        {**CHAT, "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+        None,
+    ),
+    (
+        "chat too long",
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "word " * 2100}]},
+        400,
+        "messages",
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "path", "body", "status", "param", "code"), ERROR_CASES, ids=[c[0] for c in ERROR_CASES]
+)
+def test_errors_have_openai_shape(
+    http_stack: HttpStack,
+    case: str,
+    path: str,
+    body: Any,
+    status: int,
+    param: str | None,
+    code: str | None,
+) -> None:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    got, answer = http_post(http_stack.http, path, raw)
+    assert got == status, f"{case}: {got} {answer}"
+    assert set(answer) == {"error"}
+    error = answer["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param and error["code"] == code, f"{case}: {error}"
+    assert error["message"] and "Traceback" not in error["message"]
+
+
+def test_client_raises_openai_errors(http_stack: HttpStack) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        http_stack.client.completions.create(model=MODEL_ID, prompt="hi", temperature=-1)
+    assert "temperature" in bad.value.message
+    with pytest.raises(openai.NotFoundError) as missing:
+        http_stack.client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        list(http_stack.client.completions.create(model=MODEL_ID, prompt="hi", max_tokens=0, stream=True))
+
+
+def test_unavailable_backend_is_503_and_the_gateway_stops_cleanly(cache_dir: Path, tmp_path: Path) -> None:
+    dead = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            dead.append(f"127.0.0.1:{sock.getsockname()[1]}")
+    gateway = ServiceProcess(
+        "gateway",
+        [
+            *("--model", "tiny-llama", "--host", "127.0.0.1", "--port", "0", "--http-port", "0"),
+            *("--prefill", dead[0], "--decode", dead[1]),
+        ],
+        service_env(cache_dir),
+        tmp_path / "gateway.log",
+    )
+    gateway.start()
+    try:
+        address = str(gateway.wait_ready()["http"])
+        status, answer = http_post(address, "/v1/completions", json.dumps({"prompt": "hi"}).encode())
+        assert status == 503, answer
+        assert answer["error"]["type"] == "server_error"
+        assert answer["error"]["code"] == "service_unavailable"
+        assert http_get(address, "/health")[0] == 200
+    finally:
+        assert gateway.stop() == 0, gateway.log_tail()
+
+
+# --- cancellation --------------------------------------------------------------------------------
+
+
+def open_request(address: str, path: str, body: dict[str, Any]) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    raw = json.dumps(body).encode()
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
+    return sock
+
+
+def read_events(sock: socket.socket, count: int) -> bytes:
+    received = b""
+    while received.count(b"data: ") < count:
+        data = sock.recv(65536)
+        assert data, f"the server closed the stream early: {received!r}"
+        received += data
+    return received
+
+
+def gateway_metric(stack: Stack, name: str) -> float:
+    assert stack.gateway is not None
+    return scrape(stack.gateway.metrics).get(name, 0.0)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_disconnect_mid_stream_cancels_decode(http_stack: HttpStack, path: str) -> None:
+    stack = http_stack.stack
+    cancelled = gateway_metric(stack, "pdserve_gateway_cancelled_total")
+    finished = gateway_metric(stack, "pdserve_gateway_finished_total{reason=length}")
+    body: dict[str, Any] = {"model": MODEL_ID, "max_tokens": LONG, "temperature": 0, "stream": True}
+    body |= {"ignore_eos": True}
+    body |= (
+        {"prompt": "Hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    )
+    sock = open_request(http_stack.http, path, body)
+    try:
+        head = read_events(sock, 4)
+        assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head
+    finally:
+        sock.close()
+    assert wait_for(lambda: gateway_metric(stack, "pdserve_gateway_cancelled_total") == cancelled + 1, 15)
+    assert_no_leaks(stack)
+    assert gateway_metric(stack, "pdserve_gateway_finished_total{reason=length}") == finished
+    assert gateway_metric(stack, "pdserve_gateway_in_flight") == 0
+
+
+def test_disconnect_while_waiting_for_a_whole_completion_cancels_decode(http_stack: HttpStack) -> None:
+    stack = http_stack.stack
+    cancelled = gateway_metric(stack, "pdserve_gateway_cancelled_total")
+    finished = gateway_metric(stack, "pdserve_gateway_finished_total{reason=length}")
+    body = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
+    sock = open_request(http_stack.http, "/v1/completions", body)
+    try:
+        assert wait_for(
+            lambda: any(scrape(d.metrics)["pdserve_decode_running"] for d in stack.decodes), 15, 0.01
+        )
+    finally:
+        sock.close()
+    assert wait_for(lambda: gateway_metric(stack, "pdserve_gateway_cancelled_total") == cancelled + 1, 15)
+    assert_no_leaks(stack)
+    assert gateway_metric(stack, "pdserve_gateway_finished_total{reason=length}") == finished
+
+
+# --- pdserve up ----------------------------------------------------------------------------------
+
+
+def test_up_announces_and_serves_http(cache_dir: Path, tmp_path: Path) -> None:
+    log = (tmp_path / "up.log").open("w")
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "up", "--model", "tiny-llama", "--port", "0", "--http-port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        cwd=REPO_ROOT,
+        env=service_env(cache_dir),
+    )
+    try:
+        assert up.stdout is not None
+        ready = json.loads(up.stdout.readline())
+        address = ready["gateway"]["http"]
+        assert http_get(address, "/health") == (200, b"")
+        client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+        result = client.completions.create(model="tiny-llama", prompt=[5, 6, 7], max_tokens=3, temperature=0)
+        assert result.usage is not None and result.usage.prompt_tokens == 3
+        assert "OpenAI-compatible API: http://" in (tmp_path / "up.log").read_text()
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        log.close()
+
+
+def test_up_passes_and_pins_the_http_port() -> None:
+    from pdserve import launcher
+
+    config = launcher.UpConfig(http_port=0)
+    spec = launcher.LaunchSpec(
+        launcher.GATEWAY, http_port=config.http_port, prefill=("h:1",), decode=("h:2",)
+    )
+    command = launcher.service_command(config, spec)
+    assert command[command.index("--http-port") + 1] == "0"
+    pinned = launcher.pin_ports(spec, {"grpc": "h:3", "metrics": "h:4", "http": "h:8123"})
+    assert pinned.http_port == 8123
+    assert launcher.pin_ports(launcher.LaunchSpec(launcher.GATEWAY), {"grpc": "h:3"}).http_port == -1
+    with pytest.raises(ValueError, match="http_port"):
+        launcher.UpConfig(http_port=-2)
+
+
+def test_gateway_config_http_port() -> None:
+    from pdserve.config import GatewayConfig
+
+    base = {"prefill": ("h:1",), "decode": ("h:2",)}
+    assert GatewayConfig(**base).http_port == -1
+    assert GatewayConfig(**base, model="m").model_id == "m"
+    assert GatewayConfig(**base, model="m", served_model_name="n").model_id == "n"
+    for bad in (-2, 65536):
+        with pytest.raises(ValueError, match=r"^http_port must be -1"):
+            GatewayConfig(**base, http_port=bad)
