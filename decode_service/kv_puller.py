@@ -32,8 +32,9 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from decode_service.kv_compat import KvCompatibility
 from decode_service.metrics import DecodeMetrics
-from pdserve.kv_layout import KvLayout, spec_from_proto, unpack
+from pdserve.kv_layout import KvLayout, unpack
 from pdserve.kv_transport import (
     DECODE_RANK,
     MIN_GENERATION_METADATA,
@@ -49,7 +50,6 @@ from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-MAX_CACHED_LAYOUTS = 4096  # token counts whose expected tensor specs are kept
 
 # PullKv answers after which the prefill has certainly not posted a send for this pull.
 _NOTHING_POSTED = (
@@ -101,7 +101,7 @@ class KvPuller:
         self._timeout = timeout
         self._metrics = metrics
         self._pairs: dict[str, _Pair] = {}
-        self._expected_tensors: dict[int, list[kv_pb2.TensorSpec]] = {}
+        self._compatibility = KvCompatibility(fingerprint, backend, layout)
         self._receiving = 0
         self._receiving_lock = threading.Lock()
         metrics.kv_pairs.set_function(lambda: self.num_pairs)
@@ -119,45 +119,10 @@ class KvPuller:
 
     def check_compatible(self, handle: kv_pb2.KvHandle) -> None:
         """Raises RpcError(FAILED_PRECONDITION) when this decode cannot use the handle's KV."""
-        problem = None
-        if handle.model_fingerprint != self._fingerprint:
-            problem = (
-                f"model fingerprint {handle.model_fingerprint!r} differs from this decode's "
-                f"{self._fingerprint!r}"
-            )
-        elif handle.backend != self._backend:
-            problem = f"KV backend {handle.backend!r} differs from this decode's {self._backend!r}"
-        elif handle.num_tokens < 1:
-            problem = "KV handle holds no tokens"
-        elif self._matches_layout(handle):
-            return
-        else:
-            try:
-                theirs = [spec_from_proto(t) for t in handle.tensors]
-            except ValueError as exc:
-                theirs = []
-                problem = str(exc)
-            ours = self._layout.tensor_specs(handle.num_tokens)
-            if problem is None and theirs != ours:
-                problem = "KV layout (tensor names, shapes or dtypes) differs from this decode's model"
-            elif problem is None and handle.num_bytes != self._layout.num_bytes(handle.num_tokens):
-                expected = self._layout.num_bytes(handle.num_tokens)
-                problem = f"KV size {handle.num_bytes} differs from the {expected} expected"
+        problem = self._compatibility.problem(handle)
         if problem is not None:
             self._metrics.kv_refused.inc()
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, problem)
-
-    def _matches_layout(self, handle: kv_pb2.KvHandle) -> bool:
-        """The fast path of the check: the handle's tensors and size are exactly the expected ones."""
-        expected = self._expected_tensors.get(handle.num_tokens)
-        if expected is None:
-            if len(self._expected_tensors) >= MAX_CACHED_LAYOUTS:
-                self._expected_tensors.clear()
-            expected = [spec.to_proto() for spec in self._layout.tensor_specs(handle.num_tokens)]
-            self._expected_tensors[handle.num_tokens] = expected
-        return (
-            handle.num_bytes == self._layout.num_bytes(handle.num_tokens) and list(handle.tensors) == expected
-        )
 
     async def pull(self, handle: kv_pb2.KvHandle) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The handle's KV as per-layer (keys, values) views ``[heads, T, width]``."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 from prometheus_client import CollectorRegistry
@@ -16,10 +18,11 @@ from prometheus_client import CollectorRegistry
 from decode_service.engine import DecodeEngine
 from decode_service.kv_pool import KvPool
 from decode_service.kv_puller import KvPuller
+from decode_service.kv_source import KvSource
 from decode_service.metrics import DecodeMetrics
 from decode_service.servicer import DecodeServicer
 from pdserve.config import DecodeConfig
-from pdserve.engine_model import load_engine_model
+from pdserve.engine_model import EngineModel, load_engine_model
 from pdserve.grpc_server import ServiceServer, announce_ready, wait_for_stop_signal
 from pdserve.metrics_server import MetricsServer
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
@@ -27,23 +30,44 @@ from pdserve.v1 import decode_pb2, decode_pb2_grpc
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+DECODE_WORK = f"/{SERVICE_NAME}/Decode"
 
 
-async def serve(config: DecodeConfig) -> None:
-    engine_model = await asyncio.to_thread(load_engine_model, config.engine)
-    backend = config.transfer.backend_for(config.engine.device)
-    timeout = timedelta(seconds=config.transfer.transfer_timeout_s)
+@dataclass
+class DecodeParts:
+    """Everything of a decode but its gRPC server: built once, served alone or colocated."""
+
+    metrics: DecodeMetrics
+    engine: DecodeEngine
+    kv_source: KvSource
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.engine.stop)
+        await self.kv_source.close()
+
+
+def build_decode(
+    config: DecodeConfig,
+    engine_model: EngineModel,
+    server: ServiceServer,
+    kv_source: Callable[[DecodeMetrics], KvSource] | None = None,
+) -> DecodeParts:
+    """The decode's parts, with its servicer added to ``server``. By default the KV is pulled from
+    remote prefills; ``kv_source`` replaces that (a colocated decode takes it in-process)."""
     metrics = DecodeMetrics(CollectorRegistry())
-    puller = KvPuller(
-        uuid.uuid4().hex,
-        engine_model.fingerprint,
-        engine_model.kv_layout,
-        backend,
-        engine_model.device,
-        config.server.public_host,
-        timeout,
-        metrics,
-    )
+    if kv_source is None:
+        source: KvSource = KvPuller(
+            uuid.uuid4().hex,
+            engine_model.fingerprint,
+            engine_model.kv_layout,
+            config.transfer.backend_for(config.engine.device),
+            engine_model.device,
+            config.server.public_host,
+            timedelta(seconds=config.transfer.transfer_timeout_s),
+            metrics,
+        )
+    else:
+        source = kv_source(metrics)
     pool = KvPool(
         engine_model.kv_layout,
         config.max_kv_tokens // config.kv_block_size,
@@ -52,15 +76,21 @@ async def serve(config: DecodeConfig) -> None:
     )
     engine = DecodeEngine(engine_model, metrics, config.max_running, pool)
     engine.start()
+    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(engine, source, metrics), server.server)
+    return DecodeParts(metrics, engine, source)
+
+
+async def serve(config: DecodeConfig) -> None:
+    engine_model = await asyncio.to_thread(load_engine_model, config.engine)
     server = ServiceServer(
         config.server.host,
         config.server.port,
         [SERVICE_NAME],
-        work_methods=[f"/{SERVICE_NAME}/Decode"],
+        work_methods=[DECODE_WORK],
         advertise_host=config.server.public_host,
     )
-    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(engine, puller, metrics), server.server)
-    metrics_server = MetricsServer(config.server.host, config.server.metrics_port, metrics.registry)
+    parts = build_decode(config, engine_model, server)
+    metrics_server = MetricsServer(config.server.host, config.server.metrics_port, parts.metrics.registry)
     await server.start()
     announce_ready(
         "decode", grpc=server.address, metrics=f"{config.server.public_host}:{metrics_server.port}"
@@ -68,7 +98,6 @@ async def serve(config: DecodeConfig) -> None:
     await wait_for_stop_signal()
     logger.info("draining decode (grace %.1fs)", config.server.grace_s)
     await server.drain(config.server.grace_s)
-    await asyncio.to_thread(engine.stop)
-    await puller.close()
+    await parts.close()
     metrics_server.close()
     logger.info("decode stopped")

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 
 from decode_service.engine import DecodeEngine, DecodeSequence
-from decode_service.kv_puller import KvPuller
+from decode_service.kv_source import KvSource
 from decode_service.metrics import DecodeMetrics
 from pdserve.rpc_errors import RpcError, abort
 from pdserve.sampling_proto import sampling_from_proto
@@ -22,9 +22,9 @@ _Item = tuple[list[int], str | None, BaseException | None]
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, engine: DecodeEngine, puller: KvPuller, metrics: DecodeMetrics) -> None:
+    def __init__(self, engine: DecodeEngine, kv_source: KvSource, metrics: DecodeMetrics) -> None:
         self._engine = engine
-        self._puller = puller
+        self._kv_source = kv_source
         self._metrics = metrics
 
     async def Decode(
@@ -47,7 +47,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 f"the request needs {needed} KV positions, more than this decode's whole pool",
             )
         try:
-            kv = await self._puller.pull(request.kv_handle)
+            kv = await self._kv_source.pull(request.kv_handle)
         except RpcError as exc:
             logger.warning("request %s: %s", request.request_id, exc.message)
             await abort(context, exc.code, exc.message)

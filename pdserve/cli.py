@@ -8,12 +8,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdserve import cli_options
-from pdserve.config import DecodeConfig, GatewayConfig, PrefillConfig
+from pdserve.config import ColocatedConfig, DecodeConfig, GatewayConfig, PrefillConfig
 
 SERVICES: dict[str, tuple[type, str]] = {
     "prefill": (PrefillConfig, "run a prefill service"),
     "decode": (DecodeConfig, "run a decode service"),
     "gateway": (GatewayConfig, "run the gateway (public gRPC API)"),
+    "colocated": (ColocatedConfig, "run prefill and decode in one process (no KV transfer)"),
 }
 
 
@@ -28,6 +29,10 @@ def _serve(name: str, config: Any) -> None:
         from decode_service.server import serve as serve_decode
 
         run_service(lambda: serve_decode(config))
+    elif name == "colocated":
+        from colocated_service.server import serve as serve_colocated
+
+        run_service(lambda: serve_colocated(config))
     else:
         from gateway.server import serve as serve_gateway
 
@@ -38,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve import client, health_client, launcher
     from pdserve.bench import command as bench
 
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__, allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = commands.add_parser("up", help="run gateway, prefill and decode as separate processes")
@@ -67,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser = commands.add_parser("bench", help="benchmark an OpenAI-compatible server")
     bench.add_bench_arguments(bench_parser)
     bench_parser.set_defaults(run=bench.run_bench)
+    for sub in commands.choices.values():
+        sub.allow_abbrev = False  # `up --mode` must never be read as `--model`
     return parser
 
 

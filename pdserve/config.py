@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BACKENDS = ("auto", "gloo", "nccl")
@@ -145,6 +145,50 @@ class DecodeConfig:
             raise ValueError(
                 f"max_kv_tokens must be >= kv_block_size ({self.kv_block_size}), got {self.max_kv_tokens}"
             )
+
+
+@dataclass(frozen=True)
+class ColocatedConfig:
+    """Prefill and decode in one process sharing one model: the KV is handed over in memory."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    prefill_metrics_port: int = field(default=0, metadata={"help": "metrics port of the prefill side"})
+    kv_port: int = field(default=0, metadata={"help": "port of the KV rendezvous store (0 picks a free one)"})
+    lease_s: float = field(default=30.0, metadata={"help": "seconds a parked KV waits to be pulled"})
+    max_batch_tokens: int = field(
+        default=8192,
+        metadata={"help": "token budget of one batched prefill forward (batch x longest prompt)"},
+    )
+    max_running: int = field(default=64, metadata={"help": "most requests decoding at once"})
+    max_kv_tokens: int = field(default=65536, metadata={"help": "KV pool size of the decode, in tokens"})
+    kv_block_size: int = field(default=16, metadata={"help": "tokens per KV pool block"})
+
+    def __post_init__(self) -> None:
+        _check_port("prefill_metrics_port", self.prefill_metrics_port)
+        self.prefill_config()
+        self.decode_config()
+
+    def prefill_config(self) -> PrefillConfig:
+        return PrefillConfig(
+            server=replace(self.server, metrics_port=self.prefill_metrics_port),
+            engine=self.engine,
+            transfer=self.transfer,
+            kv_port=self.kv_port,
+            lease_s=self.lease_s,
+            max_batch_tokens=self.max_batch_tokens,
+        )
+
+    def decode_config(self) -> DecodeConfig:
+        return DecodeConfig(
+            server=self.server,
+            engine=self.engine,
+            transfer=self.transfer,
+            max_running=self.max_running,
+            max_kv_tokens=self.max_kv_tokens,
+            kv_block_size=self.kv_block_size,
+        )
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,9 @@ logger = logging.getLogger(__name__)
 PREFILL = "prefill"
 DECODE = "decode"
 GATEWAY = "gateway"
-ROLES = (PREFILL, DECODE, GATEWAY)
+COLOCATED = "colocated"
+ROLES = (PREFILL, DECODE, GATEWAY, COLOCATED)
+MODES = ("disaggregated", "colocated")
 
 POLL_S = 0.05
 DEMO_MAX_TOKENS = 64
@@ -75,7 +77,15 @@ class UpConfig:
     cache_dir: str = field(
         default="", metadata={"help": "where presets are built (default ~/.cache/pdserve)"}
     )
-    prefill_replicas: int = field(default=1, metadata={"help": "number of prefill processes"})
+    mode: str = field(
+        default="disaggregated",
+        metadata={
+            "help": "disaggregated (prefill and decode processes) or colocated (one process, no transfer)"
+        },
+    )
+    prefill_replicas: int = field(
+        default=1, metadata={"help": "number of prefill processes (colocated: of prefill+decode processes)"}
+    )
     decode_replicas: int = field(default=1, metadata={"help": "number of decode processes"})
     max_restarts: int = field(
         default=5, metadata={"help": "give up when one child dies more often than this within the window"}
@@ -111,6 +121,8 @@ class UpConfig:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.prefill_replicas < 1:
             raise ValueError(f"prefill_replicas must be >= 1, got {self.prefill_replicas}")
         if self.decode_replicas < 1:
@@ -148,6 +160,7 @@ class LaunchSpec:
     port: int = 0
     metrics_port: int = 0
     kv_port: int = 0
+    prefill_metrics_port: int = 0
     http_port: int = -1
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
@@ -174,8 +187,10 @@ def service_command(config: UpConfig, spec: LaunchSpec) -> list[str]:
         command += ["--http-port", str(spec.http_port)]
     else:
         command += ["--device", config.device, "--threads", str(config.threads)]
-    if spec.role == PREFILL:
+    if spec.role in (PREFILL, COLOCATED):
         command += ["--kv-port", str(spec.kv_port)]
+    if spec.role == COLOCATED:
+        command += ["--prefill-metrics-port", str(spec.prefill_metrics_port)]
     if config.cache_dir:
         command += ["--cache-dir", config.cache_dir]
     return command
@@ -217,6 +232,7 @@ def pin_ports(spec: LaunchSpec, info: Mapping[str, Any]) -> LaunchSpec:
         port=port_of(info.get("grpc")),
         metrics_port=port_of(info.get("metrics")),
         kv_port=port_of(info.get("kv_rendezvous")),
+        prefill_metrics_port=port_of(info.get("prefill_metrics")),
         http_port=port_of(info["http"]) if "http" in info else spec.http_port,
     )
 
@@ -395,6 +411,16 @@ class Supervisor:
             info = dict(child.info) if child.info is not None else None
             if child.spec.role == GATEWAY:
                 snapshot[GATEWAY] = info
+            elif child.spec.role == COLOCATED:
+                # One process serves both sides: listed as a prefill and as a decode.
+                prefill_side = dict(info or {})
+                if info is not None:
+                    prefill_side["metrics"] = prefill_side.pop("prefill_metrics", info.get("metrics"))
+                decode_side = {
+                    k: v for k, v in (info or {}).items() if k not in ("prefill_metrics", "kv_rendezvous")
+                }
+                snapshot[PREFILL].append(prefill_side if info is not None else None)
+                snapshot[DECODE].append(decode_side if info is not None else None)
             else:
                 snapshot[child.spec.role].append(info)
         return snapshot
@@ -419,8 +445,11 @@ class Supervisor:
     def _run(self) -> int:
         config = self.config
         deadline = time.monotonic() + config.startup_timeout_s
-        backends = [_Child(LaunchSpec(PREFILL, index)) for index in range(config.prefill_replicas)]
-        backends += [_Child(LaunchSpec(DECODE, index)) for index in range(config.decode_replicas)]
+        if config.mode == "colocated":
+            backends = [_Child(LaunchSpec(COLOCATED, index)) for index in range(config.prefill_replicas)]
+        else:
+            backends = [_Child(LaunchSpec(PREFILL, index)) for index in range(config.prefill_replicas)]
+            backends += [_Child(LaunchSpec(DECODE, index)) for index in range(config.decode_replicas)]
         self._children.extend(backends)
         for child in backends:
             self._spawn(child)
@@ -433,8 +462,8 @@ class Supervisor:
                 GATEWAY,
                 port=config.port,
                 http_port=config.http_port,
-                prefill=tuple(self._address(child) for child in backends if child.spec.role == PREFILL),
-                decode=tuple(self._address(child) for child in backends if child.spec.role == DECODE),
+                prefill=tuple(self._address(c) for c in backends if c.spec.role in (PREFILL, COLOCATED)),
+                decode=tuple(self._address(c) for c in backends if c.spec.role in (DECODE, COLOCATED)),
             )
         )
         self._children.append(gateway)

@@ -12,12 +12,14 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 
+import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
 from pdserve.config import PrefillConfig
-from pdserve.engine_model import load_engine_model
+from pdserve.engine_model import EngineModel, load_engine_model
 from pdserve.grpc_server import ServiceServer, announce_ready, wait_for_stop_signal
 from pdserve.kv_layout import dtype_name
 from pdserve.kv_transport import host_store, transfer_device
@@ -32,6 +34,7 @@ from prefill_service.servicer import PrefillServicer
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+PREFILL_WORK = f"/{SERVICE_NAME}/Prefill"
 EXPIRY_INTERVAL_S = 0.25
 
 
@@ -43,8 +46,31 @@ async def expire_leases(registry: KvRegistry, metrics: PrefillMetrics) -> None:
             logger.info("KV handle %s expired unpulled (%d bytes)", entry.handle_id.hex(), entry.num_bytes)
 
 
-async def serve(config: PrefillConfig) -> None:
-    engine_model = await asyncio.to_thread(load_engine_model, config.engine)
+@dataclass
+class PrefillParts:
+    """Everything of a prefill but its gRPC server: built once, served alone or colocated."""
+
+    engine_model: EngineModel
+    metrics: PrefillMetrics
+    registry: KvRegistry
+    sender: KvSender
+    engine: PrefillEngine
+    store: dist.TCPStore
+    kv_rendezvous: str
+
+    def busy(self) -> int:
+        return self.registry.num_parked + self.sender.num_in_flight
+
+    async def run_expiry(self) -> None:
+        await expire_leases(self.registry, self.metrics)
+
+    def close(self) -> None:
+        self.sender.close()
+        self.engine.close()
+
+
+def build_prefill(config: PrefillConfig, engine_model: EngineModel, server: ServiceServer) -> PrefillParts:
+    """The prefill's parts, with its servicer added to ``server``."""
     backend = config.transfer.backend_for(config.engine.device)
     device = transfer_device(backend, engine_model.device)
     timeout = timedelta(seconds=config.transfer.transfer_timeout_s)
@@ -57,18 +83,11 @@ async def serve(config: PrefillConfig) -> None:
     metrics.track_parked(lambda: registry.num_parked, lambda: registry.num_bytes_parked)
     sender = KvSender(instance_id, store, backend, engine_model.device, host, timeout, metrics)
     engine = PrefillEngine(engine_model, device, config.max_batch_tokens)
-
-    server = ServiceServer(
-        config.server.host,
-        config.server.port,
-        [SERVICE_NAME],
-        work_methods=[f"/{SERVICE_NAME}/Prefill"],
-        advertise_host=host,
-    )
+    kv_rendezvous = f"{host}:{store.port}"
     handle_template = kv_pb2.KvHandle(
         prefill_address=server.address,
         prefill_instance_id=instance_id,
-        rendezvous_address=f"{host}:{store.port}",
+        rendezvous_address=kv_rendezvous,
         backend=backend,
         model_fingerprint=engine_model.fingerprint,
         rank=0,
@@ -83,22 +102,34 @@ async def serve(config: PrefillConfig) -> None:
     )
     servicer = PrefillServicer(engine_model, engine, registry, sender, metrics, handle_template)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server.server)
-    metrics_server = MetricsServer(config.server.host, config.server.metrics_port, metrics.registry)
+    return PrefillParts(engine_model, metrics, registry, sender, engine, store, kv_rendezvous)
+
+
+async def serve(config: PrefillConfig) -> None:
+    engine_model = await asyncio.to_thread(load_engine_model, config.engine)
+    server = ServiceServer(
+        config.server.host,
+        config.server.port,
+        [SERVICE_NAME],
+        work_methods=[PREFILL_WORK],
+        advertise_host=config.server.public_host,
+    )
+    parts = build_prefill(config, engine_model, server)
+    metrics_server = MetricsServer(config.server.host, config.server.metrics_port, parts.metrics.registry)
     await server.start()
-    expiry = asyncio.create_task(expire_leases(registry, metrics))
+    expiry = asyncio.create_task(parts.run_expiry())
     announce_ready(
         "prefill",
         grpc=server.address,
-        metrics=f"{host}:{metrics_server.port}",
-        kv_rendezvous=f"{host}:{store.port}",
+        metrics=f"{config.server.public_host}:{metrics_server.port}",
+        kv_rendezvous=parts.kv_rendezvous,
     )
     await wait_for_stop_signal()
     logger.info("draining prefill (grace %.1fs)", config.server.grace_s)
-    await server.drain(config.server.grace_s, busy=lambda: registry.num_parked + sender.num_in_flight)
+    await server.drain(config.server.grace_s, busy=parts.busy)
     expiry.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await expiry
-    sender.close()
-    engine.close()
+    parts.close()
     metrics_server.close()
     logger.info("prefill stopped")
