@@ -26,7 +26,7 @@ import torch
 
 from decode_service.kv_pool import KvPool
 from decode_service.metrics import DecodeMetrics
-from decode_service.step_cache import StepCache, StepLayer
+from decode_service.step_cache import BatchContext, StepCache, StepLayer
 from pdserve.engine_model import EngineModel
 from pdserve.finish import finish_reason
 from pdserve.sampling import SamplingParams, sample
@@ -70,6 +70,7 @@ class DecodeEngine:
         self._metrics = metrics
         self._max_running = max_running
         self._pool = pool
+        self._context = BatchContext(pool)
         self._inbox: queue.SimpleQueue[DecodeSequence | None] = queue.SimpleQueue()
         self._waiting: collections.deque[DecodeSequence] = collections.deque()
         self._running: list[DecodeSequence] = []
@@ -108,6 +109,7 @@ class DecodeEngine:
             self._admit()
             self._drop_cancelled()
             if not self._running:
+                self._context.clear()
                 continue
             try:
                 self._step()
@@ -162,26 +164,36 @@ class DecodeEngine:
         pool = self._pool
         lengths = torch.tensor([s.num_cached for s in rows], dtype=torch.long)
         length = int(lengths.max()) + 1
-        table = torch.zeros((len(rows), pool.blocks_for(length)), dtype=torch.long)
-        for i, seq in enumerate(rows):
-            n = min(len(seq.blocks), table.shape[1])
-            table[i, :n] = torch.tensor(seq.blocks[:n])
-        positions = torch.arange(length)
-        gather = table[:, positions // pool.block_size] * pool.block_size + positions % pool.block_size
-        write = gather[torch.arange(len(rows)), lengths]
-        valid = positions[None, :] <= lengths[:, None]
+        self._context.prepare(tuple(id(s) for s in rows), [s.blocks for s in rows], lengths)
+        write = torch.tensor(
+            [
+                s.blocks[s.num_cached // pool.block_size] * pool.block_size + s.num_cached % pool.block_size
+                for s in rows
+            ],
+            dtype=torch.long,
+        )
+        valid = torch.arange(length)[None, :] <= lengths[:, None]
         mask = torch.zeros((len(rows), 1, 1, length), dtype=pool.layout.dtype)
         mask.masked_fill_(~valid[:, None, None, :], self._mask_value)
+        write_d, lengths_d = write.to(device), lengths.to(device)
         cache = StepCache(
             [
-                StepLayer(pool.keys[i], pool.values[i], write.to(device), gather.to(device))
+                StepLayer(
+                    pool.keys[i],
+                    pool.values[i],
+                    self._context.keys[i],
+                    self._context.values[i],
+                    write_d,
+                    lengths_d,
+                    length,
+                )
                 for i in range(pool.layout.num_layers)
             ]
         )
         input_ids = torch.tensor([[s.last_token_id] for s in rows], dtype=torch.long, device=device)
         out = self._m.model(
             input_ids=input_ids,
-            position_ids=lengths[:, None].to(device),
+            position_ids=lengths_d[:, None],
             attention_mask=mask.to(device),
             cache=cache,
             use_cache=True,

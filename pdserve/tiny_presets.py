@@ -1,4 +1,4 @@
-"""Tiny random-weight presets: small models of three attention/MLP families, bit-identical on every host.
+"""Tiny random-weight presets: small models of several attention/MLP families, bit-identical on every host.
 
 The weights are large enough (``INITIALIZER_RANGE``) that greedy decoding has clear top-1/top-2 logit
 margins, so argmax seldom flips on the last-bit differences between batch shapes or kernels.
@@ -23,6 +23,7 @@ from transformers import (
     Qwen2MoeConfig,
 )
 
+from pdserve.deepseek_moe import DeepseekMoeConfig
 from pdserve.tiny_tokenizer import EOS_TOKEN, save_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -84,11 +85,38 @@ def _deepseek_v2_mla(common: dict[str, Any]) -> PretrainedConfig:
     )
 
 
+def _deepseek_moe(common: dict[str, Any]) -> PretrainedConfig:
+    return DeepseekMoeConfig(
+        **common,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_shared_experts=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+    )
+
+
+def _deepseek_moe_16b_shape(common: dict[str, Any]) -> PretrainedConfig:
+    """DeepSeekMoE-16B's shapes (the config's defaults, vocabulary included) in bfloat16; only the special
+    token ids come from the tiny tokenizer. Built by ``deepseek_moe.random_checkpoint``, never in memory."""
+    ids = {key: common[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return DeepseekMoeConfig(**ids, dtype="bfloat16")
+
+
 CONFIG_FACTORIES: Final[Mapping[str, Callable[[dict[str, Any]], PretrainedConfig]]] = MappingProxyType(
     {
         "tiny-llama": _llama,
         "tiny-moe": _qwen2_moe,
         "tiny-mla-moe": _deepseek_v2_mla,
+        "tiny-deepseek-moe": _deepseek_moe,
+        "deepseek-moe-16b-shape": _deepseek_moe_16b_shape,
     }
 )
 
