@@ -19,6 +19,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -112,7 +113,9 @@ class DecodeEngine:
                 self._context.clear()
                 continue
             try:
+                started = time.perf_counter()
                 self._step()
+                self._metrics.step_seconds.observe(time.perf_counter() - started)
             except Exception as exc:
                 logger.exception("decode step failed; failing its %d requests", len(self._running))
                 for seq in self._running:
