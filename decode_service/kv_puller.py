@@ -50,6 +50,8 @@ from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# Receive buffers at least this large are allocated on a worker thread while PullKv is out.
+ALLOCATE_ASIDE_BYTES = 8 << 20
 
 # PullKv answers after which the prefill has certainly not posted a send for this pull.
 _NOTHING_POSTED = (
@@ -132,13 +134,10 @@ class KvPuller:
         """``pull``, with the time spent in control (RPC) and in data (the receive)."""
         started = time.perf_counter()
         self.check_compatible(handle)
-        buf = torch.empty(
-            handle.num_bytes, dtype=torch.uint8, device=transfer_device(self._backend, self._device)
-        )
         # Shielded: once PullKv may have posted the prefill's send, the receive must be posted too.
-        posted = asyncio.ensure_future(self._post(handle, buf))
+        posted = asyncio.ensure_future(self._post(handle))
         try:
-            future = await asyncio.shield(posted)
+            future, buf = await asyncio.shield(posted)
             control_done = time.perf_counter()
             await asyncio.wrap_future(future)
         except TransferError as exc:
@@ -162,17 +161,24 @@ class KvPuller:
         layers = unpack(buf, self._layout, handle.num_tokens)
         return PulledKv(layers, control_done - started, data_done - control_done)
 
-    async def _post(self, handle: kv_pb2.KvHandle, buf: torch.Tensor) -> concurrent.futures.Future[None]:
+    async def _post(self, handle: kv_pb2.KvHandle) -> tuple[concurrent.futures.Future[None], torch.Tensor]:
+        """PullKv, then the receive posted into a new buffer (allocated while the call is out)."""
         pair = self._pair(handle)
         async with pair.lock:
             response = None
+            buf = None
             for attempt in range(2):
                 channel = await self._channel(pair, handle)
                 request = prefill_pb2.PullKvRequest(
                     handle_id=handle.id, decode_instance_id=self._instance_id, pair_generation=pair.generation
                 )
                 try:
-                    response = await pair.stub.PullKv(request, timeout=self._timeout.total_seconds())
+                    call = pair.stub.PullKv(request, timeout=self._timeout.total_seconds())
+                    if buf is None and handle.num_bytes >= ALLOCATE_ASIDE_BYTES:
+                        buf = await asyncio.to_thread(self._receive_buffer, handle.num_bytes)
+                    elif buf is None:
+                        buf = self._receive_buffer(handle.num_bytes)
+                    response = await call
                     break
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() not in _NOTHING_POSTED:
@@ -189,7 +195,7 @@ class KvPuller:
                     )
                     self._break(pair, "generation retired by the prefill")
                     pair.generation = max(pair.generation, minimum - 1)
-            assert response is not None
+            assert response is not None and buf is not None
             if response.num_bytes != buf.numel():
                 self._break(pair, "size mismatch")  # the prefill posted a send of another size
                 raise TransferError(f"prefill sends {response.num_bytes} bytes, expected {buf.numel()}")
@@ -197,7 +203,10 @@ class KvPuller:
             with self._receiving_lock:
                 self._receiving += 1
             future.add_done_callback(lambda f: self._received(channel, f))
-            return future
+            return future, buf
+
+    def _receive_buffer(self, num_bytes: int) -> torch.Tensor:
+        return torch.empty(num_bytes, dtype=torch.uint8, device=transfer_device(self._backend, self._device))
 
     def _received(self, channel: PairChannel, future: concurrent.futures.Future[None]) -> None:
         with self._receiving_lock:

@@ -114,17 +114,23 @@ class BackendPool(Generic[StubT]):
             await backend.channel.close()
 
 
-def _pool(role: str, addresses: Sequence[str], stub_type: type[StubT]) -> BackendPool[StubT]:
+def _pool(
+    role: str, addresses: Sequence[str], stub_type: type[StubT], pick_wait_s: float
+) -> BackendPool[StubT]:
     backends: list[Backend[StubT]] = []
     for address in addresses:
         channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         backends.append(Backend(address, channel, stub_type(channel), BackendHealth(address)))  # type: ignore[call-arg]
-    return BackendPool(role, backends)
+    return BackendPool(role, backends, pick_wait_s)
 
 
-def prefill_pool(addresses: Sequence[str]) -> BackendPool[prefill_pb2_grpc.PrefillStub]:
-    return _pool("prefill", addresses, prefill_pb2_grpc.PrefillStub)
+def prefill_pool(
+    addresses: Sequence[str], pick_wait_s: float = PICK_WAIT_S
+) -> BackendPool[prefill_pb2_grpc.PrefillStub]:
+    return _pool("prefill", addresses, prefill_pb2_grpc.PrefillStub, pick_wait_s)
 
 
-def decode_pool(addresses: Sequence[str]) -> BackendPool[decode_pb2_grpc.DecodeStub]:
-    return _pool("decode", addresses, decode_pb2_grpc.DecodeStub)
+def decode_pool(
+    addresses: Sequence[str], pick_wait_s: float = PICK_WAIT_S
+) -> BackendPool[decode_pb2_grpc.DecodeStub]:
+    return _pool("decode", addresses, decode_pb2_grpc.DecodeStub, pick_wait_s)

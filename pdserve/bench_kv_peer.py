@@ -1,9 +1,10 @@
 """The decode side (rank 1) of ``pdserve bench-kv``, run in a process of its own.
 
-It receives each size over the raw PairChannel into a warm buffer, then pulls it through a real
-``KvPuller`` (PullKv over gRPC, a fresh buffer per pull, as a decode does) and reports, through
-the rendezvous store, when each receive ended, the puller's control and data times, the digests
-of what arrived and the time of one unary RPC between the two processes.
+It receives each size over the raw PairChannel into a warm buffer (driven through the rendezvous
+store) and serves one gRPC method, ``Handoff``, which carries a KV handle to it as the gateway's
+Decode call carries one to a decode: it pulls the handle through a real ``KvPuller`` (PullKv over
+gRPC, a fresh buffer per pull) and answers when the call arrived and the puller's control and
+data times, plus, when asked, a digest of what arrived.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import asyncio
 import concurrent.futures
 import hashlib
 import json
-import secrets
-import statistics
 import time
 import uuid
 from collections.abc import Sequence
@@ -28,11 +27,12 @@ from decode_service.kv_puller import KvPuller
 from decode_service.metrics import DecodeMetrics
 from pdserve.bench_kv_config import BenchKvConfig
 from pdserve.kv_transport import DECODE_RANK, PairChannel, connect_store, transfer_device
-from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import kv_pb2
 
 FINGERPRINT = "pdserve-bench-kv"
 RAW_PREFIX = "pdserve/bench-kv/raw/"
-RPC_SAMPLES = 20
+HANDOFF_METHOD = "/pdserve.bench.v1.BenchKv/Handoff"
+DIGEST_METADATA = "pdserve-bench-digest"
 
 
 class Clock:
@@ -66,9 +66,33 @@ async def _serve(config: BenchKvConfig, rendezvous: str) -> None:
     store = connect_store(rendezvous, timeout)
     raw = PairChannel(store, RAW_PREFIX, DECODE_RANK, backend, device, config.host, timeout)
     metrics = DecodeMetrics(CollectorRegistry())
-    layout = config.layout()
-    puller = KvPuller(uuid.uuid4().hex, FINGERPRINT, layout, backend, device, config.host, timeout, metrics)
+    puller = KvPuller(
+        uuid.uuid4().hex, FINGERPRINT, config.layout(), backend, device, config.host, timeout, metrics
+    )
     clock = Clock(device)
+
+    async def handoff(handle: kv_pb2.KvHandle, context: Any) -> bytes:
+        received_at = clock.now()
+        pulled = await puller.pull_timed(handle)
+        answer: dict[str, Any] = {
+            "received_at": received_at,
+            "control_s": pulled.control_s,
+            "data_s": pulled.data_s,
+        }
+        if any(key == DIGEST_METADATA for key, _ in context.invocation_metadata()):
+            answer["digest"] = digest([t for kv in pulled.layers for t in kv])
+        del pulled  # the buffer is freed before the answer, outside the next handoff's times
+        return json.dumps(answer).encode()
+
+    server = grpc.aio.server()
+    handler = grpc.unary_unary_rpc_method_handler(
+        handoff, request_deserializer=kv_pb2.KvHandle.FromString, response_serializer=lambda b: b
+    )
+    service, method = HANDOFF_METHOD.strip("/").split("/")
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {method: handler})])
+    port = server.add_insecure_port(f"{config.host}:0")
+    await server.start()
+    await _set(store, "peer/address", f"{config.host}:{port}")
     target = transfer_device(backend, device)
     try:
         for num_tokens in config.token_counts:
@@ -79,34 +103,13 @@ async def _serve(config: BenchKvConfig, rendezvous: str) -> None:
                 await _set(store, f"raw/{num_tokens}/{i}/posted", "1")
                 await asyncio.wrap_future(future)
                 await _set(store, f"raw/{num_tokens}/{i}/done", str(clock.now()))
-            received = {"raw": digest([warm])}
+            await _set(store, f"raw/{num_tokens}/digest", digest([warm]))
             del warm
-            handle = kv_pb2.KvHandle()
-            for i in range(config.repeat + 1):
-                handle = kv_pb2.KvHandle.FromString(await _get(store, f"handoff/{num_tokens}/{i}"))
-                pulled = await puller.pull_timed(handle)
-                timed = {"control_s": pulled.control_s, "data_s": pulled.data_s}
-                await _set(store, f"handoff/{num_tokens}/{i}/timed", json.dumps(timed))
-                if i == config.repeat:
-                    received["kv"] = digest([t for kv in pulled.layers for t in kv])
-                del pulled
-            rpc_s = await _rpc_seconds(handle.prefill_address)
-            await _set(store, f"size/{num_tokens}/received", json.dumps({**received, "rpc_s": rpc_s}))
+        await _get(store, "finished")
     finally:
         raw.close()
+        await server.stop(0)
         await puller.close()
-
-
-async def _rpc_seconds(address: str) -> float:
-    """Median time of a unary RPC (ReleaseKv of an unknown handle) to the prefill side."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = prefill_pb2_grpc.PrefillStub(channel)
-        samples = []
-        for _ in range(RPC_SAMPLES + 1):
-            start = time.perf_counter()
-            await stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(handle_id=secrets.token_bytes(16)))
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples[1:])
 
 
 async def _set(store: Any, key: str, value: str | bytes) -> None:

@@ -17,7 +17,15 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from pdserve.bench_kv_config import BenchKvConfig
-from pdserve.bench_kv_peer import FINGERPRINT, RAW_PREFIX, Clock, digest, run_peer
+from pdserve.bench_kv_peer import (
+    DIGEST_METADATA,
+    FINGERPRINT,
+    HANDOFF_METHOD,
+    RAW_PREFIX,
+    Clock,
+    digest,
+    run_peer,
+)
 from pdserve.kv_layout import pack, unpack
 from pdserve.kv_transport import PREFILL_RANK, PairChannel, host_store, transfer_device
 from pdserve.v1 import kv_pb2, prefill_pb2_grpc
@@ -56,12 +64,18 @@ async def run(config: BenchKvConfig, emit: Callable[[dict[str, Any]], None]) -> 
     )
     peer.start()
     raw = PairChannel(store, RAW_PREFIX, PREFILL_RANK, backend, device, config.host, timeout)
+    peer_channel = grpc.aio.insecure_channel((await _get(store, "peer/address")).decode())
+    handoff = peer_channel.unary_unary(
+        HANDOFF_METHOD, request_serializer=kv_pb2.KvHandle.SerializeToString, response_deserializer=json.loads
+    )
     try:
         for num_tokens in config.token_counts:
-            emit(await _measure(config, num_tokens, store, raw, registry, template))
+            emit(await _measure(config, num_tokens, store, raw, registry, template, handoff))
+        await _set(store, "finished", "1")
     finally:
         raw.close()
         sender.close()
+        await peer_channel.close()
         await server.stop(0)
         peer.join(config.timeout_s)
         if peer.is_alive():
@@ -75,6 +89,7 @@ async def _measure(
     raw: PairChannel,
     registry: KvRegistry,
     template: kv_pb2.KvHandle,
+    handoff: Any,
 ) -> dict[str, Any]:
     layout = config.layout()
     clock = Clock(torch.device(config.device))
@@ -102,8 +117,9 @@ async def _measure(
     del dst
 
     num_bytes = buf.numel()
-    sent = {"raw": digest([buf]), "kv": digest([t for kv in unpack(buf, layout, num_tokens) for t in kv])}
-    await _set(store, f"size/{num_tokens}", json.dumps({"bytes": num_bytes, **sent}))
+    sent_raw = digest([buf])
+    sent_kv = digest([t for kv in unpack(buf, layout, num_tokens) for t in kv])
+    await _set(store, f"size/{num_tokens}", json.dumps({"bytes": num_bytes}))
 
     transfer_s = []
     for i in range(config.repeat + 1):
@@ -113,8 +129,10 @@ async def _measure(
         done = float(await _get(store, f"raw/{num_tokens}/{i}/done"))
         if i:
             transfer_s.append(done - start)
+    received_raw = (await _get(store, f"raw/{num_tokens}/digest")).decode()
 
-    control_s, data_s = [], []
+    hop_s, control_s, data_s = [], [], []
+    received_kv = ""
     for i in range(config.repeat + 1):
         entry = registry.park(buf, num_tokens)
         handle = kv_pb2.KvHandle()
@@ -124,15 +142,18 @@ async def _measure(
         handle.num_bytes = entry.num_bytes
         handle.expires_at_unix = entry.expires_at_unix
         handle.tensors.extend(spec.to_proto() for spec in layout.tensor_specs(num_tokens))
-        await _set(store, f"handoff/{num_tokens}/{i}", handle.SerializeToString())
-        timed = json.loads(await _get(store, f"handoff/{num_tokens}/{i}/timed"))
+        last = i == config.repeat
+        sent_at = clock.now()
+        timed = await handoff(handle, metadata=((DIGEST_METADATA, "1"),) if last else None)
         if i:
+            hop_s.append(timed["received_at"] - sent_at)
             control_s.append(timed["control_s"])
             data_s.append(timed["data_s"])
-    received = json.loads(await _get(store, f"size/{num_tokens}/received"))
+        if last:
+            received_kv = timed["digest"]
 
     memcpy, transfer = statistics.median(memcpy_s), statistics.median(transfer_s)
-    control, data = statistics.median(control_s), statistics.median(data_s)
+    hop, control, data = statistics.median(hop_s), statistics.median(control_s), statistics.median(data_s)
     return {
         "tokens": num_tokens,
         "bytes": num_bytes,
@@ -141,12 +162,12 @@ async def _measure(
         "transfer_gbps": num_bytes / transfer / 1e9,
         "transfer_to_memcpy": memcpy / transfer,
         "pack_ms": pack_s * 1e3,
+        "hop_ms": hop * 1e3,
         "control_ms": control * 1e3,
         "data_ms": data * 1e3,
-        "handoff_ms": (pack_s + control + data) * 1e3,
+        "handoff_ms": (pack_s + 2 * hop + control + data) * 1e3,
         "handoff_gbps": num_bytes / data / 1e9,
-        "rpc_ms": received["rpc_s"] * 1e3,
-        "intact": received["raw"] == sent["raw"] and received["kv"] == sent["kv"],
+        "intact": received_raw == sent_raw and received_kv == sent_kv,
         "backend": config.backend_name,
         "device": config.device,
         "peer_device": config.receiver_device,

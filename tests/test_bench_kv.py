@@ -23,7 +23,7 @@ KEYS = {
     "data_ms",
     "pack_ms",
     "handoff_ms",
-    "rpc_ms",
+    "hop_ms",
     "intact",
 }
 
@@ -51,7 +51,7 @@ def test_bench_kv_moves_every_size_intact_and_reports_json() -> None:
         assert result.keys() >= KEYS
         assert result["bytes"] == layout.num_bytes(result["tokens"])
         assert result["intact"] is True, "the bytes that arrived differ from the bytes sent"
-        for key in ("transfer_gbps", "memcpy_gbps", "control_ms", "data_ms", "rpc_ms"):
+        for key in ("transfer_gbps", "memcpy_gbps", "control_ms", "data_ms", "hop_ms"):
             assert result[key] > 0, key
         assert result["backend"] == "gloo"
 

@@ -14,14 +14,19 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
-from pdserve.kv_layout import KvLayout, unpack
+from decode_service.kv_puller import KvPuller
+from decode_service.metrics import DecodeMetrics
+from pdserve.kv_layout import KvLayout, pack, unpack
+from pdserve.kv_transport import host_store
 from pdserve.v1 import (
     decode_pb2,
     decode_pb2_grpc,
@@ -31,6 +36,10 @@ from pdserve.v1 import (
     prefill_pb2_grpc,
     sampling_pb2,
 )
+from prefill_service.kv_registry import KvRegistry
+from prefill_service.kv_sender import KvSender
+from prefill_service.metrics import PrefillMetrics
+from prefill_service.servicer import KvHandoffServicer
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import generate_many, make_request
 from tests.kv_peer import Peer
@@ -41,6 +50,7 @@ MODEL = "tiny-llama"
 TRANSFER_TIMEOUT_S = 3.0
 BOUND_S = TRANSFER_TIMEOUT_S + 2.0  # every failure below must be reported within this
 GREEDY = sampling_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+CPU = torch.device("cpu")
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -433,3 +443,73 @@ def test_a_prefill_killed_while_its_kv_waits_for_the_pull_is_replaced(
     _restart(killed)
     assert wait_for(lambda: _serving(stack, "prefill") == 2, 15)
     assert_no_leaks(stack)
+
+
+def test_a_decode_follows_the_prefill_to_a_newer_pair_generation() -> None:
+    """Both sides in this process (real gRPC, store and gloo pairs): a pair the prefill tore down
+    (idle past its time) is refused by generation, and the decode moves on to a new one."""
+    timeout = timedelta(seconds=10)
+    layout = KvLayout(keys=((2, 4),) * 2, values=((2, 3),) * 2, dtype=torch.float32)
+
+    async def scenario() -> None:
+        store = host_store("127.0.0.1", 0, timeout)
+        now = [0.0]
+        metrics = PrefillMetrics(CollectorRegistry())
+        registry = KvRegistry(60.0)
+        sender = KvSender("prefill-x", store, "gloo", CPU, "127.0.0.1", timeout, metrics, 5.0, lambda: now[0])
+        server = grpc.aio.server()
+        prefill_pb2_grpc.add_PrefillServicer_to_server(KvHandoffServicer(registry, sender, metrics), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        pullers = [
+            KvPuller(
+                f"decode-{i}",
+                "fp",
+                layout,
+                "gloo",
+                CPU,
+                "127.0.0.1",
+                timeout,
+                DecodeMetrics(CollectorRegistry()),
+            )
+            for i in (1, 2)
+        ]
+
+        async def round_trip(puller: KvPuller, num_tokens: int) -> None:
+            layers = [(torch.randn(1, 2, num_tokens, 4), torch.randn(1, 2, num_tokens, 3)) for _ in range(2)]
+            entry = registry.park(pack(layers, layout, 0, 0, num_tokens, CPU), num_tokens)
+            handle = kv_pb2.KvHandle(
+                id=entry.handle_id,
+                prefill_address=f"127.0.0.1:{port}",
+                prefill_instance_id="prefill-x",
+                rendezvous_address=f"127.0.0.1:{store.port}",
+                backend="gloo",
+                model_fingerprint="fp",
+                num_tokens=num_tokens,
+                num_bytes=entry.num_bytes,
+                tensors=[s.to_proto() for s in layout.tensor_specs(num_tokens)],
+            )
+            received = await puller.pull(handle)
+            for (k, v), (rk, rv) in zip(layers, received, strict=True):
+                assert torch.equal(rk, k[0]) and torch.equal(rv, v[0])
+
+        try:
+            await round_trip(pullers[0], 3)
+            await round_trip(pullers[0], 5)  # the pair is reused
+            await _until(lambda: sender.num_in_flight == 0)  # the send's end is its last use
+            now[0] += 10  # decode-1's pair has been idle past its time
+            await round_trip(pullers[1], 4)  # a pull from another decode tears the idle pair down
+            assert sender.num_pairs == 1
+            await round_trip(pullers[0], 6)  # generation 1 is refused; decode-1 moves to 2
+            stale = metrics.registry.get_sample_value("pdserve_kv_pulls_stale_generation_total")
+            rebuilds = metrics.registry.get_sample_value("pdserve_kv_pair_rebuilds_total")
+            assert (stale, rebuilds, sender.num_pairs) == (1, 1, 2)
+            assert registry.num_parked == 0
+            await _until(lambda: sender.num_in_flight == 0)
+        finally:
+            for puller in pullers:
+                await puller.close()
+            sender.close()
+            await server.stop(0)
+
+    asyncio.run(scenario())

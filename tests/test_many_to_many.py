@@ -13,7 +13,11 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2
 
+from gateway.backends import prefill_pool
+from pdserve.grpc_server import ServiceServer
+from pdserve.rpc_errors import RpcError
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import generate_many, make_request
@@ -23,6 +27,7 @@ from tests.test_equivalence import divergence_report, reference_tokens
 
 MODEL = "tiny-llama"
 NUM_REQUESTS = 24
+PREFILL_SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -140,3 +145,52 @@ def test_a_send_stuck_on_one_decode_does_not_hold_another_decodes_transfers(
     finally:
         peer.kill()
     assert_no_leaks(stack)
+
+
+def test_the_pools_route_by_load_among_serving_backends_only() -> None:
+    """Real gRPC servers with grpc.health.v1, in this process: the pool follows their health."""
+
+    async def scenario() -> None:
+        servers = [ServiceServer("127.0.0.1", 0, [PREFILL_SERVICE]) for _ in range(3)]
+        for server in servers:
+            await server.start()
+        pool = prefill_pool([s.address for s in servers], pick_wait_s=2.0)
+        try:
+            await _until(lambda: pool.num_serving == 3)
+            a, b, c = pool.backends
+            a.outstanding, b.outstanding, c.outstanding = 2, 1, 1
+            assert {(await pool.pick()).address for _ in range(4)} == {b.address, c.address}
+            await servers[1].health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await _until(lambda: not b.health.serving)
+            assert [await pool.pick() for _ in range(3)] == [c, c, c]
+            assert await pool.pick(avoid=[c]) is a, "a backend the request failed on is avoided"
+            await servers[2].server.stop(0)  # c is gone
+            await _until(lambda: not c.health.serving)
+            assert await pool.pick() is a
+            await servers[0].health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await _until(lambda: pool.num_serving == 0)
+            waiting = asyncio.ensure_future(pool.pick())
+            await asyncio.sleep(0.3)
+            assert not waiting.done(), "no backend is serving: the pick waits"
+            await servers[1].health.set("", health_pb2.HealthCheckResponse.SERVING)
+            assert await asyncio.wait_for(waiting, 2) is b
+            await servers[1].health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await _until(lambda: pool.num_serving == 0)
+            with pytest.raises(RpcError) as info:
+                await pool.pick()
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "no prefill is serving" in info.value.message
+            assert all(s.address in info.value.message for s in servers)
+        finally:
+            await pool.close()
+            for server in servers:
+                await server.server.stop(0)
+
+    asyncio.run(scenario())
+
+
+async def _until(predicate: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "the pool did not see the change in time"
+        await asyncio.sleep(0.02)
