@@ -16,6 +16,7 @@ Lifecycle of a request here:
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import queue
 import threading
@@ -50,6 +51,7 @@ class DecodeSequence:
     last_token_id: int = -1
     num_cached: int = 0  # positions whose KV is in the pool
     blocks: list[int] = field(default_factory=list)
+    serial: int = -1  # unique within the engine (object ids are reused after garbage collection)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -72,6 +74,7 @@ class DecodeEngine:
         self._max_running = max_running
         self._pool = pool
         self._context = BatchContext(pool)
+        self._serials = itertools.count()
         self._inbox: queue.SimpleQueue[DecodeSequence | None] = queue.SimpleQueue()
         self._waiting: collections.deque[DecodeSequence] = collections.deque()
         self._running: list[DecodeSequence] = []
@@ -99,6 +102,7 @@ class DecodeEngine:
 
     def submit(self, seq: DecodeSequence) -> None:
         seq.last_token_id = seq.first_token_id
+        seq.serial = next(self._serials)
         self._inbox.put(seq)
 
     def _loop(self) -> None:
@@ -167,7 +171,7 @@ class DecodeEngine:
         pool = self._pool
         lengths = torch.tensor([s.num_cached for s in rows], dtype=torch.long)
         length = int(lengths.max()) + 1
-        self._context.prepare(tuple(id(s) for s in rows), [s.blocks for s in rows], lengths)
+        self._context.prepare(tuple(s.serial for s in rows), [s.blocks for s in rows], lengths)
         write = torch.tensor(
             [
                 s.blocks[s.num_cached // pool.block_size] * pool.block_size + s.num_cached % pool.block_size
