@@ -110,18 +110,24 @@ def reference_models(cache_dir: Path) -> Callable[[str], tuple[Any, Any]]:
     return get
 
 
-@pytest.fixture(scope="session")
-def eos_stack(cache_dir: Path, reference_models: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """tiny-llama with its EOS set to the greedy first token of EOS_PROMPT, and 1 s leases."""
+def eos_model_copy(cache_dir: Path, reference_models: Any, parent: Path) -> tuple[Path, int]:
+    """A copy of tiny-llama whose EOS is the greedy first token of EOS_PROMPT, and that token."""
     model, _ = reference_models("tiny-llama")
     eos = first_greedy_token(model, EOS_PROMPT)
-    model_dir = tmp_path_factory.mktemp("eos-model") / "tiny-llama-eos"
+    model_dir = parent / "tiny-llama-eos"
     shutil.copytree(resolve_model_dir("tiny-llama", cache_dir), model_dir)
     for name in ("config.json", "generation_config.json"):
         path = model_dir / name
         data = json.loads(path.read_text())
         data["eos_token_id"] = eos
         path.write_text(json.dumps(data))
+    return model_dir, eos
+
+
+@pytest.fixture(scope="session")
+def eos_stack(cache_dir: Path, reference_models: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """tiny-llama with its EOS set to the greedy first token of EOS_PROMPT, and 1 s leases."""
+    model_dir, eos = eos_model_copy(cache_dir, reference_models, tmp_path_factory.mktemp("eos-model"))
     stack = Stack(
         str(model_dir), cache_dir, tmp_path_factory.mktemp("eos-logs"), prefill_args=["--lease-s", "1"]
     ).start()

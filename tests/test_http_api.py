@@ -9,7 +9,6 @@ The stack serves a copy of tiny-llama whose EOS is the greedy first token of EOS
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,8 +23,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from pdserve.model_source import resolve_model_dir
-from tests.conftest import EOS_PROMPT, assert_no_leaks, first_greedy_token
+from tests.conftest import EOS_PROMPT, assert_no_leaks, eos_model_copy
 from tests.grpc_client import make_request, run
 from tests.stack import REPO_ROOT, ServiceProcess, Stack, scrape, service_env, wait_for
 
@@ -50,15 +48,7 @@ class HttpStack:
 def http_stack(
     cache_dir: Path, reference_models: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[HttpStack]:
-    model, _ = reference_models("tiny-llama")
-    eos = first_greedy_token(model, EOS_PROMPT)
-    model_dir = tmp_path_factory.mktemp("http-model") / "tiny-llama-eos"
-    shutil.copytree(resolve_model_dir("tiny-llama", cache_dir), model_dir)
-    for name in ("config.json", "generation_config.json"):
-        path = model_dir / name
-        data = json.loads(path.read_text())
-        data["eos_token_id"] = eos
-        path.write_text(json.dumps(data))
+    model_dir, eos = eos_model_copy(cache_dir, reference_models, tmp_path_factory.mktemp("http-model"))
     stack = Stack(
         str(model_dir),
         cache_dir,
