@@ -180,7 +180,9 @@ def test_decode_killed_mid_transfer_frees_the_kv_and_the_pair_comes_back(
         peer.kill()
     # The prefill serves real decodes as before.
     results = asyncio.run(
-        generate_many(stack.address, [make_request(prompt_token_ids=prompt, max_tokens=5)] * 2)
+        generate_many(
+            stack.address, [make_request(prompt_token_ids=prompt, max_tokens=5, ignore_eos=True)] * 2
+        )
     )
     assert all(len(r.token_ids) == 5 for r in results)
     assert_no_leaks(stack)
@@ -227,7 +229,9 @@ def test_prefill_killed_or_hung_mid_transfer_fails_the_pull_in_bound(stack: Stac
     assert m["pdserve_kv_pull_failures_total"] == before["pdserve_kv_pull_failures_total"] + 1
     # The decode keeps serving.
     result = asyncio.run(
-        generate_many(stack.address, [make_request(prompt_token_ids=[5, 6, 7], max_tokens=4)])
+        generate_many(
+            stack.address, [make_request(prompt_token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True)]
+        )
     )
     assert len(result[0].token_ids) == 4
     assert_no_leaks(stack)
@@ -288,7 +292,9 @@ def test_a_flood_of_unknown_handles_is_refused_without_harm(stack: Stack) -> Non
     assert after_d["pdserve_kv_pairs"] <= before_d["pdserve_kv_pairs"] + 1
     assert after_p["pdserve_kv_pulls_not_found_total"] == before_p["pdserve_kv_pulls_not_found_total"] + 140
     result = asyncio.run(
-        generate_many(stack.address, [make_request(prompt_token_ids=[9, 8, 7], max_tokens=4)] * 2)
+        generate_many(
+            stack.address, [make_request(prompt_token_ids=[9, 8, 7], max_tokens=4, ignore_eos=True)] * 2
+        )
     )
     assert all(len(r.token_ids) == 4 for r in result)
     assert_no_leaks(stack)
@@ -355,7 +361,9 @@ def test_a_decode_killed_mid_stream_ends_its_streams_loudly_and_comes_back(stack
             assert f"after {len(s.tokens)} tokens were delivered" in (s.error.details() or "")
     # New requests avoid the dead decode (or are run again elsewhere): they all complete.
     more = asyncio.run(
-        generate_many(stack.address, [make_request(prompt_token_ids=[4, 5, 6], max_tokens=6)] * 4)
+        generate_many(
+            stack.address, [make_request(prompt_token_ids=[4, 5, 6], max_tokens=6, ignore_eos=True)] * 4
+        )
     )
     assert all(len(r.token_ids) == 6 for r in more)
     assert wait_for(lambda: _serving(stack, "decode") == 1, 10)
@@ -366,7 +374,8 @@ def test_a_decode_killed_mid_stream_ends_its_streams_loudly_and_comes_back(stack
     assert served == 0
     results = asyncio.run(
         generate_many(
-            stack.address, [make_request(prompt_token_ids=_prompt(9, i), max_tokens=5) for i in range(6)]
+            stack.address,
+            [make_request(prompt_token_ids=_prompt(9, i), max_tokens=5, ignore_eos=True) for i in range(6)],
         )
     )
     assert all(len(r.token_ids) == 5 for r in results)
@@ -401,7 +410,9 @@ def test_requests_on_a_hung_then_killed_prefill_run_again_elsewhere(
     assert wait_for(lambda: _serving(stack, "prefill") == 1, 10)
     # The dead prefill is skipped: no more retries.
     more = asyncio.run(
-        generate_many(stack.address, [make_request(prompt_token_ids=p, max_tokens=3) for p in prompts])
+        generate_many(
+            stack.address, [make_request(prompt_token_ids=p, max_tokens=3, ignore_eos=True) for p in prompts]
+        )
     )
     assert all(len(r.token_ids) == 3 for r in more)
     assert _gateway_metrics(stack)["pdserve_gateway_retries_total{stage=prefill}"] - before == retries
