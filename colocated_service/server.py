@@ -2,7 +2,9 @@
 and the KV handed from the prefill's registry to the decode in memory (no transfer).
 
 The gateway is pointed at this one address as both its prefill and its decode. The ready line
-carries both metrics addresses (``metrics`` for the decode side, ``prefill_metrics``).
+carries both metrics addresses (``metrics`` for the decode side, ``prefill_metrics``). With
+``--ep N`` every rank is such a colocated service and a request decodes on the rank that
+prefilled it.
 """
 
 from __future__ import annotations
@@ -10,35 +12,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 
 from decode_service.local_kv_source import LocalKvSource
 from decode_service.metrics import DecodeMetrics
-from decode_service.server import DECODE_WORK, build_decode
+from decode_service.server import DECODE_WORK, DecodeParts, build_decode
 from decode_service.server import SERVICE_NAME as DECODE_SERVICE
 from pdserve.config import ColocatedConfig
-from pdserve.engine_model import load_engine_model
+from pdserve.engine_model import EngineModel, load_engine_model
+from pdserve.expert_parallel.group_service import RankParts, ServiceKind, serve_group
 from pdserve.grpc_server import ServiceServer, announce_ready, wait_for_stop_signal
 from pdserve.metrics_server import MetricsServer
-from prefill_service.server import PREFILL_WORK, build_prefill
+from prefill_service.server import PREFILL_WORK, PrefillParts, build_prefill
 from prefill_service.server import SERVICE_NAME as PREFILL_SERVICE
 
 logger = logging.getLogger(__name__)
 
+SERVICES = [PREFILL_SERVICE, DECODE_SERVICE]
+WORK_METHODS = [PREFILL_WORK, DECODE_WORK]
 
-async def serve(config: ColocatedConfig) -> None:
-    prefill_config = config.prefill_config()
-    decode_config = config.decode_config()
-    engine_model = await asyncio.to_thread(load_engine_model, config.engine)
-    host = config.server.public_host
-    server = ServiceServer(
-        config.server.host,
-        config.server.port,
-        [PREFILL_SERVICE, DECODE_SERVICE],
-        work_methods=[PREFILL_WORK, DECODE_WORK],
-        advertise_host=host,
-    )
-    prefill = build_prefill(prefill_config, engine_model, server)
-    backend = prefill_config.transfer.backend_for(config.engine.device)
+
+@dataclass
+class ColocatedParts:
+    prefill: PrefillParts
+    decode: DecodeParts
+
+    async def close(self) -> None:
+        await self.decode.close()
+        self.prefill.close()
+
+
+def build_colocated(
+    config: ColocatedConfig, engine_model: EngineModel, server: ServiceServer, rank: int = 0
+) -> ColocatedParts:
+    prefill = build_prefill(config.prefill_config(), engine_model, server, rank)
+    backend = config.transfer.backend_for(config.engine.device)
 
     def local_source(metrics: DecodeMetrics) -> LocalKvSource:
         return LocalKvSource(
@@ -50,26 +58,70 @@ async def serve(config: ColocatedConfig) -> None:
             prefill.metrics,
         )
 
-    decode = build_decode(decode_config, engine_model, server, kv_source=local_source)
-    decode_metrics = MetricsServer(config.server.host, config.server.metrics_port, decode.metrics.registry)
-    prefill_metrics = MetricsServer(config.server.host, config.prefill_metrics_port, prefill.metrics.registry)
+    decode = build_decode(config.decode_config(), engine_model, server, kv_source=local_source)
+    return ColocatedParts(prefill, decode)
+
+
+def _build_rank(
+    config: ColocatedConfig, engine_model: EngineModel, server: ServiceServer, rank: int
+) -> RankParts:
+    parts = build_colocated(config, engine_model, server, rank)
+    return RankParts(
+        metrics=[
+            ("metrics", parts.decode.metrics.registry, config.server.metrics_port),
+            ("prefill_metrics", parts.prefill.metrics.registry, config.prefill_metrics_port),
+        ],
+        busy=parts.prefill.busy,
+        close=parts.close,
+        ready={"kv_rendezvous": parts.prefill.kv_rendezvous},
+        background=[parts.prefill.run_expiry],
+    )
+
+
+KIND = ServiceKind(
+    "colocated",
+    ColocatedConfig,
+    SERVICES,
+    WORK_METHODS,
+    _build_rank,
+    routes_prefill=True,
+    routes_decode=True,
+    decode_by_handle_rank=True,
+)
+
+
+async def serve(config: ColocatedConfig) -> None:
+    if config.engine.ep > 1:
+        await serve_group(KIND, config)
+        return
+    engine_model = await asyncio.to_thread(load_engine_model, config.engine)
+    host = config.server.public_host
+    server = ServiceServer(
+        config.server.host, config.server.port, SERVICES, work_methods=WORK_METHODS, advertise_host=host
+    )
+    parts = build_colocated(config, engine_model, server)
+    decode_metrics = MetricsServer(
+        config.server.host, config.server.metrics_port, parts.decode.metrics.registry
+    )
+    prefill_metrics = MetricsServer(
+        config.server.host, config.prefill_metrics_port, parts.prefill.metrics.registry
+    )
     await server.start()
-    expiry = asyncio.create_task(prefill.run_expiry())
+    expiry = asyncio.create_task(parts.prefill.run_expiry())
     announce_ready(
         "colocated",
         grpc=server.address,
         metrics=f"{host}:{decode_metrics.port}",
         prefill_metrics=f"{host}:{prefill_metrics.port}",
-        kv_rendezvous=prefill.kv_rendezvous,
+        kv_rendezvous=parts.prefill.kv_rendezvous,
     )
     await wait_for_stop_signal()
     logger.info("draining colocated prefill+decode (grace %.1fs)", config.server.grace_s)
-    await server.drain(config.server.grace_s, busy=prefill.busy)
+    await server.drain(config.server.grace_s, busy=parts.prefill.busy)
     expiry.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await expiry
-    await decode.close()
-    prefill.close()
+    await parts.close()
     decode_metrics.close()
     prefill_metrics.close()
     logger.info("colocated service stopped")

@@ -198,7 +198,7 @@ class DecodeEngine:
             ]
         )
         input_ids = torch.tensor([[s.last_token_id] for s in rows], dtype=torch.long, device=device)
-        out = self._m.model(
+        out = self._m.forward(
             input_ids=input_ids,
             position_ids=lengths_d[:, None],
             attention_mask=mask.to(device),

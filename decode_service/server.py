@@ -23,6 +23,7 @@ from decode_service.metrics import DecodeMetrics
 from decode_service.servicer import DecodeServicer
 from pdserve.config import DecodeConfig
 from pdserve.engine_model import EngineModel, load_engine_model
+from pdserve.expert_parallel.group_service import RankParts, ServiceKind, serve_group
 from pdserve.grpc_server import ServiceServer, announce_ready, wait_for_stop_signal
 from pdserve.metrics_server import MetricsServer
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
@@ -80,7 +81,32 @@ def build_decode(
     return DecodeParts(metrics, engine, source)
 
 
+def _build_rank(
+    config: DecodeConfig, engine_model: EngineModel, server: ServiceServer, rank: int
+) -> RankParts:
+    parts = build_decode(config, engine_model, server)
+    return RankParts(
+        metrics=[("metrics", parts.metrics.registry, config.server.metrics_port)],
+        busy=lambda: 0,
+        close=parts.close,
+    )
+
+
+KIND = ServiceKind(
+    "decode",
+    DecodeConfig,
+    [SERVICE_NAME],
+    [DECODE_WORK],
+    _build_rank,
+    routes_prefill=False,
+    routes_decode=True,
+)
+
+
 async def serve(config: DecodeConfig) -> None:
+    if config.engine.ep > 1:
+        await serve_group(KIND, config)
+        return
     engine_model = await asyncio.to_thread(load_engine_model, config.engine)
     server = ServiceServer(
         config.server.host,

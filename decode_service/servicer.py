@@ -12,6 +12,7 @@ import grpc
 from decode_service.engine import DecodeEngine, DecodeSequence
 from decode_service.kv_source import KvSource
 from decode_service.metrics import DecodeMetrics
+from pdserve.engine_model import ForwardUnavailable
 from pdserve.rpc_errors import RpcError, abort
 from pdserve.sampling_proto import sampling_from_proto
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
@@ -67,7 +68,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     more, reason, error = items.get_nowait()
                     tokens.extend(more)
                 if error is not None:
-                    await abort(context, grpc.StatusCode.INTERNAL, f"decode failed: {error}")
+                    code = (
+                        grpc.StatusCode.UNAVAILABLE
+                        if isinstance(error, ForwardUnavailable)
+                        else grpc.StatusCode.INTERNAL
+                    )
+                    await abort(context, code, f"decode failed: {error}")
                 yield decode_pb2.DecodeResponse(token_ids=tokens, finish_reason=reason or "")
                 if reason is not None:
                     return

@@ -109,6 +109,25 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, env: Mapping[str, 
         )
 
 
+def to_args(cls: type, config: Any, **overrides: Any) -> list[str]:
+    """The flags that build ``config`` again (``overrides`` replace fields by name)."""
+    args: list[str] = []
+    for option in options(cls, config):
+        value = overrides.get(option.name, _leaf(config, option.path))
+        if isinstance(value, tuple):
+            value = ",".join(value)
+        elif isinstance(value, bool):
+            value = "true" if value else "false"
+        args += [option.flag, str(value)]
+    return args
+
+
+def _leaf(config: Any, path: tuple[str, ...]) -> Any:
+    for name in path:
+        config = getattr(config, name)
+    return config
+
+
 def build(cls: type[T], args: argparse.Namespace) -> T:
     """Builds the config from parsed flags (validation runs in each __post_init__)."""
     return _build(cls, vars(args))

@@ -47,6 +47,19 @@ class EngineConfig:
     cache_dir: str = field(
         default="", metadata={"help": "where presets are built (default ~/.cache/pdserve)"}
     )
+    ep: int = field(
+        default=1,
+        metadata={
+            "help": "expert-parallel ranks: the service runs as this many processes (cuda: one GPU each)"
+        },
+    )
+    ep_timeout_s: float = field(
+        default=30.0, metadata={"help": "bound on every wait of the expert-parallel group"}
+    )
+    ep_rank: int = field(default=0, metadata={"help": "this process's rank (set by rank 0 for the others)"})
+    ep_master: str = field(
+        default="", metadata={"help": "HOST:PORT of rank 0's group store (set by rank 0 for the others)"}
+    )
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -59,6 +72,23 @@ class EngineConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if self.ep < 1:
+            raise ValueError(f"ep must be >= 1, got {self.ep}")
+        _check_positive("ep_timeout_s", self.ep_timeout_s)
+        if not 0 <= self.ep_rank < self.ep:
+            raise ValueError(f"ep_rank must be in [0, ep) = [0, {self.ep}), got {self.ep_rank}")
+        if self.ep_rank > 0 and not self.ep_master:
+            raise ValueError("ep_master must be set on ranks other than 0")
+        if self.ep_master:
+            _check_address("ep_master", self.ep_master)
+
+    @property
+    def rank_device(self) -> str:
+        """This rank's device: rank r of a cuda group takes the r-th GPU from the configured one."""
+        if self.ep == 1 or not self.device.startswith("cuda"):
+            return self.device
+        _, _, index = self.device.partition(":")
+        return f"cuda:{int(index or 0) + self.ep_rank}"
 
 
 @dataclass(frozen=True)

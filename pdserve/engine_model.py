@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,14 @@ from pdserve.model_source import resolve_model_dir
 logger = logging.getLogger(__name__)
 
 
+class ForwardUnavailable(RuntimeError):
+    """A forward could not run and never will in this process (its expert-parallel group is gone)."""
+
+
+def run_directly(forward: Callable[[], Any]) -> Any:
+    return forward()
+
+
 @dataclass(frozen=True)
 class EngineModel:
     model: Any
@@ -30,6 +39,12 @@ class EngineModel:
     device: torch.device
     fingerprint: str
     kv_layout: KvLayout
+    # How a forward runs: at once, or at the next tick of an expert-parallel group (``Lockstep.run``).
+    run_forward: Callable[[Callable[[], Any]], Any] = run_directly
+
+    def forward(self, **inputs: Any) -> Any:
+        """The model's forward on ``inputs``, run the way this engine runs forwards."""
+        return self.run_forward(lambda: self.model(**inputs))
 
 
 def resolve_dtype(name: str, device: torch.device, config: Any) -> torch.dtype:
@@ -84,7 +99,7 @@ def measure_kv_layout(model: Any, device: torch.device) -> KvLayout:
 
 
 def load_engine_model(config: EngineConfig) -> EngineModel:
-    device = torch.device(config.device)
+    device = torch.device(config.rank_device)
     if device.type == "cpu":
         torch.set_num_threads(config.threads)
     else:

@@ -173,6 +173,15 @@ class ServiceServer:
                 await asyncio.sleep(DRAIN_POLL_S)
         await self.server.stop(max(0.0, deadline - loop.time()))
 
+    async def fail(self, hold_s: float) -> None:
+        """The service can no longer work: NOT_SERVING and new work refused at once; health keeps
+        answering for ``hold_s`` (so callers see why), then the server stops."""
+        await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._gate.close()
+        await asyncio.sleep(hold_s)
+        self._gate.expire()
+        await self.server.stop(HAND_BACK_S)
+
     async def _set_status(self, status: Any) -> None:
         for name in ("", *self._service_names):
             await self.health.set(name, status)
@@ -191,7 +200,7 @@ async def wait_for_stop_signal() -> None:
             loop.remove_signal_handler(sig)
 
 
-def announce_ready(service: str, out: TextIO = sys.stdout, **addresses: str) -> None:
+def announce_ready(service: str, out: TextIO = sys.stdout, **addresses: Any) -> None:
     """Prints the one JSON ready line that launchers and tools read from stdout."""
     line = {"ready": True, "service": service, **addresses, "pid": os.getpid()}
     out.write(json.dumps(line) + "\n")

@@ -56,6 +56,11 @@ class UpConfig:
         default=1, metadata={"help": "number of prefill processes (colocated: of prefill+decode processes)"}
     )
     decode_replicas: int = field(default=1, metadata={"help": "number of decode processes"})
+    prefill_ep: int = field(
+        default=1,
+        metadata={"help": "expert-parallel ranks (processes) of each prefill (colocated: of each service)"},
+    )
+    decode_ep: int = field(default=1, metadata={"help": "expert-parallel ranks (processes) of each decode"})
     max_restarts: int = field(
         default=5, metadata={"help": "give up when one child dies more often than this within the window"}
     )
@@ -96,6 +101,14 @@ class UpConfig:
             raise ValueError(f"prefill_replicas must be >= 1, got {self.prefill_replicas}")
         if self.decode_replicas < 1:
             raise ValueError(f"decode_replicas must be >= 1, got {self.decode_replicas}")
+        if self.prefill_ep < 1 or self.decode_ep < 1:
+            raise ValueError(
+                f"prefill_ep and decode_ep must be >= 1, got {self.prefill_ep} and {self.decode_ep}"
+            )
+        if self.mode == "colocated" and self.decode_ep not in (1, self.prefill_ep):
+            raise ValueError(
+                "in colocated mode --prefill-ep sizes each service's group; --decode-ep must be 1 or equal to it"
+            )
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if not self.restart_window_s > 0:
@@ -156,6 +169,7 @@ def service_command(config: UpConfig, spec: LaunchSpec) -> list[str]:
         command += ["--http-port", str(spec.http_port)]
     else:
         command += ["--device", config.device, "--threads", str(config.threads)]
+        command += ["--ep", str(config.decode_ep if spec.role == DECODE else config.prefill_ep)]
     if spec.role in (PREFILL, COLOCATED):
         command += ["--kv-port", str(spec.kv_port)]
     if spec.role == COLOCATED:

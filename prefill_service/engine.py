@@ -133,7 +133,7 @@ class PrefillEngine:
                 "attention_mask": mask.to(m.device),
                 "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(m.device),
             }
-        out = m.model(
+        out = m.forward(
             input_ids=input_ids.to(m.device), cache=cache, use_cache=True, logits_to_keep=1, **kwargs
         )
         logits = out.logits[:, -1]

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.config import PrefillConfig
 from pdserve.engine_model import EngineModel, load_engine_model
+from pdserve.expert_parallel.group_service import RankParts, ServiceKind, serve_group
 from pdserve.grpc_server import ServiceServer, announce_ready, wait_for_stop_signal
 from pdserve.kv_layout import dtype_name
 from pdserve.kv_transport import host_store, transfer_device
@@ -69,8 +70,11 @@ class PrefillParts:
         self.engine.close()
 
 
-def build_prefill(config: PrefillConfig, engine_model: EngineModel, server: ServiceServer) -> PrefillParts:
-    """The prefill's parts, with its servicer added to ``server``."""
+def build_prefill(
+    config: PrefillConfig, engine_model: EngineModel, server: ServiceServer, rank: int = 0
+) -> PrefillParts:
+    """The prefill's parts, with its servicer added to ``server``; its KV handles name ``rank``
+    (of an expert-parallel group) and ``server``'s address."""
     backend = config.transfer.backend_for(config.engine.device)
     device = transfer_device(backend, engine_model.device)
     timeout = timedelta(seconds=config.transfer.transfer_timeout_s)
@@ -90,7 +94,7 @@ def build_prefill(config: PrefillConfig, engine_model: EngineModel, server: Serv
         rendezvous_address=kv_rendezvous,
         backend=backend,
         model_fingerprint=engine_model.fingerprint,
-        rank=0,
+        rank=rank,
     )
     layout = engine_model.kv_layout
     logger.info(
@@ -105,7 +109,38 @@ def build_prefill(config: PrefillConfig, engine_model: EngineModel, server: Serv
     return PrefillParts(engine_model, metrics, registry, sender, engine, store, kv_rendezvous)
 
 
+def _build_rank(
+    config: PrefillConfig, engine_model: EngineModel, server: ServiceServer, rank: int
+) -> RankParts:
+    parts = build_prefill(config, engine_model, server, rank)
+
+    async def close() -> None:
+        parts.close()
+
+    return RankParts(
+        metrics=[("metrics", parts.metrics.registry, config.server.metrics_port)],
+        busy=parts.busy,
+        close=close,
+        ready={"kv_rendezvous": parts.kv_rendezvous},
+        background=[parts.run_expiry],
+    )
+
+
+KIND = ServiceKind(
+    "prefill",
+    PrefillConfig,
+    [SERVICE_NAME],
+    [PREFILL_WORK],
+    _build_rank,
+    routes_prefill=True,
+    routes_decode=False,
+)
+
+
 async def serve(config: PrefillConfig) -> None:
+    if config.engine.ep > 1:
+        await serve_group(KIND, config)
+        return
     engine_model = await asyncio.to_thread(load_engine_model, config.engine)
     server = ServiceServer(
         config.server.host,

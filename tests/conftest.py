@@ -60,14 +60,14 @@ def assert_no_leaks(stack: Stack, timeout_s: float = 15.0) -> None:
     running or waiting in decode."""
 
     def clean() -> bool:
-        for prefill in stack.prefills:
-            m = scrape(prefill.metrics)
+        for address in [a for prefill in stack.prefills for a in prefill.rank_metrics]:
+            m = scrape(address)
             if m["pdserve_kv_parked_handles"] or m["pdserve_kv_parked_bytes"]:
                 return False
             if m["pdserve_kv_sends_in_flight"] or m["pdserve_kv_transfer_threads"] > m["pdserve_kv_pairs"]:
                 return False
-        for decode in stack.decodes:
-            m = scrape(decode.metrics)
+        for address in [a for decode in stack.decodes for a in decode.rank_metrics]:
+            m = scrape(address)
             if (
                 m["pdserve_decode_running"]
                 or m["pdserve_decode_waiting"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,26 @@ async def generate(address: str, request: gateway_pb2.GenerateRequest, timeout_s
         async for chunk in stub.Generate(request, timeout=timeout_s):
             result.chunks.append(chunk)
         return result
+
+
+class Stream:
+    """One streaming request through the gateway, run as a task: the tokens it got so far, how it
+    ended (``error``) and when (``ended_at``, monotonic)."""
+
+    def __init__(self, address: str, request: gateway_pb2.GenerateRequest, timeout_s: float = 120.0) -> None:
+        self.tokens: list[int] = []
+        self.error: grpc.aio.AioRpcError | None = None
+        self.ended_at = 0.0
+        self.task = asyncio.ensure_future(self._run(address, request, timeout_s))
+
+    async def _run(self, address: str, request: gateway_pb2.GenerateRequest, timeout_s: float) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            try:
+                async for chunk in gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=timeout_s):
+                    self.tokens.extend(chunk.token_ids)
+            except grpc.aio.AioRpcError as exc:
+                self.error = exc
+        self.ended_at = time.monotonic()
 
 
 async def generate_many(address: str, requests: Sequence[gateway_pb2.GenerateRequest]) -> list[Result]:

@@ -84,6 +84,17 @@ class ServiceProcess:
     def metrics(self) -> str:
         return str(self.ready["metrics"])
 
+    @property
+    def rank_metrics(self) -> list[str]:
+        """The metrics address of every rank (one, without expert parallelism)."""
+        ranks = self.ready.get("ranks")
+        return [str(r["metrics"]) for r in ranks] if ranks else [self.metrics]
+
+    @property
+    def rank_pids(self) -> list[int]:
+        ranks = self.ready.get("ranks")
+        return [int(r["pid"]) for r in ranks] if ranks else [self.pid]
+
     def signal(self, sig: int) -> None:
         assert self.popen is not None
         self.popen.send_signal(sig)

@@ -13,6 +13,7 @@ from pdserve import cli_options
 from pdserve.cli_options import add_arguments, build, env_names, options
 from pdserve.config import (
     DEFAULT_MODEL,
+    ColocatedConfig,
     DecodeConfig,
     EngineConfig,
     GatewayConfig,
@@ -341,6 +342,10 @@ ENGINE_ENV = [
     "PDSERVE_THREADS",
     "PDSERVE_MAX_MODEL_LEN",
     "PDSERVE_CACHE_DIR",
+    "PDSERVE_EP",
+    "PDSERVE_EP_TIMEOUT_S",
+    "PDSERVE_EP_RANK",
+    "PDSERVE_EP_MASTER",
 ]
 TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S"]
 
@@ -407,3 +412,38 @@ def test_leaf_field_names_are_unique_so_flags_map_back_to_fields(cls: type) -> N
     names = leaves(cls)
     assert len(set(names)) == len(names)
     assert env_names(cls) == ["PDSERVE_" + n.upper() for n in names]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ep": 0}, "ep must be >= 1"),
+        ({"ep": 2, "ep_rank": 2, "ep_master": "h:1"}, "ep_rank must be in"),
+        ({"ep": 2, "ep_rank": -1}, "ep_rank must be in"),
+        ({"ep": 2, "ep_rank": 1}, "ep_master must be set"),
+        ({"ep": 2, "ep_rank": 1, "ep_master": "nohost"}, "ep_master"),
+        ({"ep": 2, "ep_timeout_s": 0.0}, "ep_timeout_s"),
+    ],
+)
+def test_expert_parallel_fields_are_validated(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("device", "ep", "rank", "expected"),
+    [("cpu", 4, 3, "cpu"), ("cuda", 2, 1, "cuda:1"), ("cuda:2", 4, 3, "cuda:5"), ("cuda:1", 1, 0, "cuda:1")],
+)
+def test_each_rank_takes_its_own_gpu(device: str, ep: int, rank: int, expected: str) -> None:
+    master = "127.0.0.1:1" if rank else ""
+    assert EngineConfig(device=device, ep=ep, ep_rank=rank, ep_master=master).rank_device == expected
+
+
+@pytest.mark.parametrize("cls", [PrefillConfig, DecodeConfig, ColocatedConfig, GatewayConfig])
+def test_to_args_builds_the_same_config_again(cls: type) -> None:
+    base = cls(prefill=("h:1", "h:2"), decode=("h:3",)) if cls is GatewayConfig else cls()
+    parser = argparse.ArgumentParser()
+    cli_options.add_arguments(parser, cls, env={})
+    assert cli_options.build(cls, parser.parse_args(cli_options.to_args(cls, base))) == base
+    args = cli_options.to_args(cls, base, port=7, not_a_field=1)
+    assert cli_options.build(cls, parser.parse_args(args)).server.port == 7

@@ -30,7 +30,6 @@ from pdserve.kv_transport import host_store
 from pdserve.v1 import (
     decode_pb2,
     decode_pb2_grpc,
-    gateway_pb2_grpc,
     kv_pb2,
     prefill_pb2,
     prefill_pb2_grpc,
@@ -41,7 +40,7 @@ from prefill_service.kv_sender import KvSender
 from prefill_service.metrics import PrefillMetrics
 from prefill_service.servicer import KvHandoffServicer
 from tests.conftest import assert_no_leaks
-from tests.grpc_client import generate_many, make_request
+from tests.grpc_client import Stream, generate_many, make_request
 from tests.kv_peer import Peer
 from tests.stack import ServiceProcess, Stack, scrape, wait_for
 from tests.test_equivalence import reference_tokens
@@ -300,23 +299,6 @@ def test_a_flood_of_unknown_handles_is_refused_without_harm(stack: Stack) -> Non
     assert_no_leaks(stack)
 
 
-class _Stream:
-    """One streaming request through the gateway: the tokens it got and how it ended."""
-
-    def __init__(self, address: str, request: Any) -> None:
-        self.tokens: list[int] = []
-        self.error: grpc.aio.AioRpcError | None = None
-        self.task = asyncio.ensure_future(self._run(address, request))
-
-    async def _run(self, address: str, request: Any) -> None:
-        async with grpc.aio.insecure_channel(address) as channel:
-            try:
-                async for chunk in gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=120):
-                    self.tokens.extend(chunk.token_ids)
-            except grpc.aio.AioRpcError as exc:
-                self.error = exc
-
-
 async def _until(predicate: Any, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -341,8 +323,8 @@ def test_a_decode_killed_mid_stream_ends_its_streams_loudly_and_comes_back(stack
         for i in range(4)
     ]
 
-    async def scenario() -> tuple[list[_Stream], int]:
-        streams = [_Stream(stack.address, r) for r in requests]
+    async def scenario() -> tuple[list[Stream], int]:
+        streams = [Stream(stack.address, r) for r in requests]
         await _until(lambda: all(len(s.tokens) >= 3 for s in streams))
         running = [scrape(d.metrics)["pdserve_decode_running"] for d in stack.decodes]
         victim = 0 if running[0] >= running[1] else 1
@@ -430,11 +412,11 @@ def test_a_prefill_killed_while_its_kv_waits_for_the_pull_is_replaced(
     prompt = _prompt(23, 40)
     before = _gateway_metrics(stack)["pdserve_gateway_retries_total{stage=decode}"]
 
-    async def scenario() -> _Stream:
+    async def scenario() -> Stream:
         for d in stack.decodes:
             d.signal(signal.SIGSTOP)
         try:
-            stream = _Stream(
+            stream = Stream(
                 stack.address, make_request(prompt_token_ids=prompt, max_tokens=12, temperature=0.0)
             )
             await _until(lambda: len(stream.tokens) >= 1)

@@ -119,3 +119,67 @@ def test_full_stack_over_nccl(cache_dir: Path, tmp_path: Path) -> None:
         assert len(results[0].token_ids) == 16
     finally:
         stack.stop()
+
+
+def test_expert_parallel_path_on_cuda_tensors(cache_dir: Path) -> None:
+    """The sharded experts, dispatch and lockstep on CUDA tensors, in a group of one rank (NCCL
+    refuses two ranks on one GPU): every buffer on the device, logits equal to the plain model's."""
+    import copy
+    import socket
+
+    import torch.distributed as dist
+
+    from pdserve.expert_parallel.rank_model import expert_parallel_model
+
+    m = load_engine_model(
+        EngineConfig(model="tiny-deepseek-moe", device="cuda:0", dtype="float32", cache_dir=str(cache_dir))
+    )
+    reference = copy.deepcopy(m.model)
+    ids = torch.randint(3, m.limits.vocab_size, (3, 11), device=m.device)
+    with torch.inference_mode():
+        want = reference(input_ids=ids).logits
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=60))
+    dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=0, world_size=1, device_id=m.device)
+    try:
+        rank_model = expert_parallel_model(m, 0, 1)
+        rank_model.lockstep.start()
+        got = rank_model.engine_model.forward(input_ids=ids).logits
+        assert got.device == m.device
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert rank_model.dispatch.stats.calls > 0
+        rank_model.lockstep.stop()
+        rank_model.lockstep.join(30)
+        assert rank_model.lockstep.failure is None
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an EP group of 2 needs two GPUs")
+def test_ep_prefill_group_on_two_gpus(cache_dir: Path, tmp_path: Path) -> None:
+    """A prefill of 2 ranks on cuda:0 and cuda:1 (NCCL exchanges, DeepEP when installed) and a CPU
+    decode, the KV moving over gloo: greedy tokens equal to the plain model's."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.model_source import resolve_model_dir
+
+    model_name = "tiny-deepseek-moe"
+    args = ["--device", "cuda", "--dtype", "float32", "--ep", "2"]
+    stack = Stack(
+        model_name, cache_dir, tmp_path, prefill_args=args, decode_args=["--dtype", "float32"]
+    ).start()
+    try:
+        assert len(stack.prefills[0].ready["ranks"]) == 2
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(model_name, cache_dir)).eval()
+        prompts = [list(range(3, 3 + n)) for n in (1, 17, 60)]
+        requests = [
+            make_request(prompt_token_ids=p, max_tokens=12, temperature=0.0, ignore_eos=True) for p in prompts
+        ]
+        results = asyncio.run(generate_many(stack.address, requests))
+        for prompt, result in zip(prompts, results, strict=True):
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+            assert result.token_ids == ref[0, len(prompt) :].tolist()
+    finally:
+        stack.stop()

@@ -267,11 +267,15 @@ def test_service_command() -> None:
         "--metrics-port": "2",
         "--device": "cpu",
         "--threads": "2",
+        "--ep": "1",
         "--kv-port": "3",
         "--cache-dir": "/tmp/c",
     }
-    decode = launcher.service_command(UpConfig(), LaunchSpec("decode"))
+    decode = launcher.service_command(UpConfig(prefill_ep=4, decode_ep=2), LaunchSpec("decode"))
     assert "--kv-port" not in decode and "--cache-dir" not in decode
+    assert dict(zip(decode[4::2], decode[5::2], strict=True))["--ep"] == "2"
+    colocated = launcher.service_command(UpConfig(mode="colocated", prefill_ep=2), LaunchSpec("colocated"))
+    assert dict(zip(colocated[4::2], colocated[5::2], strict=True))["--ep"] == "2"
     gateway = launcher.service_command(
         UpConfig(port=8000), LaunchSpec("gateway", port=8000, prefill=("h:1", "h:2"), decode=("h:3",))
     )
@@ -310,6 +314,9 @@ def test_with_parent_death_signal_execs_the_command() -> None:
         {"startup_timeout_s": 0},
         {"shutdown_timeout_s": -1},
         {"demo": True, "demo_prompt": ""},
+        {"prefill_ep": 0},
+        {"decode_ep": 0},
+        {"mode": "colocated", "prefill_ep": 2, "decode_ep": 3},
     ],
 )
 def test_up_config_rejects(kwargs: dict[str, Any]) -> None:

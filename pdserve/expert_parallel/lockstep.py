@@ -1,0 +1,131 @@
+"""Every rank of an expert-parallel group runs one forward per tick, in step with the others.
+
+A MoE forward exchanges tokens with every other rank in each MoE layer, so all ranks must run a
+forward together. Engines hand their forwards to ``run`` (from their own threads) and wait; the
+lockstep thread, once per tick:
+1. all-reduces two flags over the group: "I have a forward" and "I am stopping";
+2. if any rank stops, every rank leaves the loop (the group ends together);
+3. if no rank has work, it sleeps a little (backing off up to ``IDLE_SLEEP_MAX_S``) and ticks again;
+4. otherwise every rank runs one forward: its own, or a one-token filler that only takes part in
+   the exchanges (a rank without requests at this step).
+Any failure (a rank died, a collective timed out, a forward raised: the group is no longer in step)
+breaks the lockstep for good: waiting and later forwards raise ``ForwardUnavailable`` and
+``ended`` is set, so the service reports NOT_SERVING and fails its requests instead of hanging.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from pdserve.engine_model import ForwardUnavailable
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+IDLE_SLEEP_MIN_S = 0.0005
+IDLE_SLEEP_MAX_S = 0.005
+
+
+class Lockstep:
+    def __init__(self, filler: Callable[[], Any], device: torch.device) -> None:
+        self._filler = filler
+        self._device = device
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
+            queue.SimpleQueue()
+        )
+        self._stopping = threading.Event()
+        self.ended = threading.Event()
+        self.failure: BaseException | None = None
+        self.ticks = 0
+        self.fillers = 0
+        self._thread = threading.Thread(target=self._loop, name="ep-lockstep", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ends the loop on every rank of the group at the next tick."""
+        self._stopping.set()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+    @property
+    def broken(self) -> bool:
+        return self.failure is not None
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """Runs ``fn`` (one model forward) at the next tick of the group; blocks until it ends."""
+        if self.ended.is_set():
+            raise ForwardUnavailable(self._why())
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put((fn, future))
+        if self.ended.is_set():
+            self._fail_queued()
+        return future.result()
+
+    def _why(self) -> str:
+        if self.failure is not None:
+            return f"the expert-parallel group failed: {self.failure}"
+        return "the expert-parallel group stopped"
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        idle_sleep = IDLE_SLEEP_MIN_S
+        job: tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None = None
+        try:
+            while True:
+                if job is None:
+                    job = self._next_job()
+                flags = torch.tensor([int(job is not None), int(self._stopping.is_set())], dtype=torch.int64)
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+                if flags[1]:
+                    break
+                if not flags[0]:
+                    time.sleep(idle_sleep)
+                    idle_sleep = min(idle_sleep * 2, IDLE_SLEEP_MAX_S)
+                    continue
+                idle_sleep = IDLE_SLEEP_MIN_S
+                self.ticks += 1
+                if job is None:
+                    self.fillers += 1
+                    self._filler()
+                    continue
+                fn, future = job
+                job = None
+                try:
+                    result = fn()
+                except BaseException as exc:
+                    future.set_exception(ForwardUnavailable(f"forward failed: {exc}"))
+                    raise
+                future.set_result(result)
+        except BaseException as exc:
+            self.failure = exc
+            logger.error("expert-parallel lockstep failed: %s", exc)
+        finally:
+            self.ended.set()
+            if job is not None and not job[1].done():
+                job[1].set_exception(ForwardUnavailable(self._why()))
+            self._fail_queued()
+
+    def _next_job(self) -> tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None:
+        try:
+            return self._jobs.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _fail_queued(self) -> None:
+        while (job := self._next_job()) is not None:
+            if not job[1].done():
+                job[1].set_exception(ForwardUnavailable(self._why()))
