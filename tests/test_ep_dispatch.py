@@ -1,11 +1,16 @@
 """The all-to-all dispatch/combine of expert parallelism, on 2 real gloo ranks (2 processes), against
 the single-process eager experts of the same layer: same output for the same tokens, including
-ranks that send or receive no token and experts that get none."""
+ranks that send or receive no token and experts that get none. Then the whole expert-parallel
+model path (sharding through transformers' experts interface, dispatch, lockstep) on every MoE
+preset in a group of one rank."""
 
 from __future__ import annotations
 
+import copy
 import socket
+from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,11 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pdserve.config import EngineConfig
 from pdserve.deepseek_moe import DeepseekMoeConfig
 from pdserve.deepseek_moe.modeling import DeepseekMoeExperts
+from pdserve.engine_model import load_engine_model
 from pdserve.expert_parallel.all_to_all_dispatch import AllToAllDispatch
 from pdserve.expert_parallel.dispatch import ExpertShard
-from pdserve.expert_parallel.experts import ShardedExperts
+from pdserve.expert_parallel.experts import ShardedExperts, shard_experts
+from pdserve.expert_parallel.rank_model import expert_parallel_model
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K, SIZE = 16, 8, 8, 2, 2
 
@@ -118,3 +126,44 @@ def test_all_to_all_dispatch_equals_single_process_experts() -> None:
 def test_bad_expert_shards_are_refused(rank: int, size: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ExpertShard(rank, size, EXPERTS)
+
+
+@pytest.fixture
+def group_of_one() -> Iterator[None]:
+    """This process as a 1-rank gloo group: the whole expert-parallel path, no peer needed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("model_name", ["tiny-moe", "tiny-mla-moe", "tiny-deepseek-moe"])
+def test_every_moe_preset_runs_through_the_experts_interface(
+    model_name: str, cache_dir: Path, group_of_one: None
+) -> None:
+    m = load_engine_model(EngineConfig(model=model_name, cache_dir=str(cache_dir)))
+    reference = copy.deepcopy(m.model)
+    ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+    rank_model = expert_parallel_model(m, 0, 1)
+    rank_model.lockstep.start()
+    try:
+        got = rank_model.engine_model.forward(input_ids=ids).logits
+    finally:
+        rank_model.lockstep.stop()
+        rank_model.lockstep.join(30)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert rank_model.dispatch.stats.calls > 0, "the forward did not go through the dispatch"
+    assert rank_model.lockstep.failure is None
+
+
+def test_a_dense_model_cannot_be_sharded(cache_dir: Path) -> None:
+    m = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir)))
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        shard_experts(m.model, 0, 2, lambda n: AllToAllDispatch(ExpertShard(0, 2, n)))

@@ -116,6 +116,50 @@ def test_a_rank_with_no_requests_steps_with_a_filler(ep_stack: Stack, reference_
     assert_no_leaks(ep_stack)
 
 
+def test_up_starts_ep_groups_on_both_sides(cache_dir: Path, tmp_path: Path, reference_models: Any) -> None:
+    model, _ = reference_models(MODEL)
+    log = (tmp_path / "up.log").open("w")
+    command = [*PDSERVE, "up", "--model", MODEL, "--port", "0", "--prefill-ep", "2", "--decode-ep", "2"]
+    up = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO_ROOT, env=service_env(cache_dir)
+    )
+    try:
+        assert up.stdout is not None
+        ready = json.loads(up.stdout.readline())
+        for side in ("prefill", "decode"):
+            ranks = ready[side][0]["ranks"]
+            assert [r["rank"] for r in ranks] == [0, 1] and len({r["pid"] for r in ranks}) == 2, ranks
+        prompt = _prompts(31, [21], model.config.vocab_size)[0]
+        request = make_request(prompt_token_ids=prompt, max_tokens=10, temperature=0.0, ignore_eos=True)
+        result = asyncio.run(generate_many(ready["gateway"]["grpc"], [request]))[0]
+        assert result.token_ids == reference_tokens(model, prompt, 10)
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+        for side in ("prefill", "decode"):
+            for rank in ready[side][0]["ranks"]:
+                assert wait_for(lambda pid=rank["pid"]: not _alive(pid), 10), (
+                    f"{side} rank {rank} outlived up"
+                )
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        log.close()
+
+
+def test_ep_on_a_dense_model_is_a_usage_error(cache_dir: Path) -> None:
+    run = subprocess.run(
+        [*PDSERVE, "prefill", "--model", "tiny-llama", "--ep", "2"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=service_env(cache_dir),
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert "needs a mixture-of-experts model" in run.stderr
+
+
 def test_colocated_ep_group_matches_generate(cache_dir: Path, tmp_path: Path, reference_models: Any) -> None:
     model, _ = reference_models(MODEL)
     log = (tmp_path / "up.log").open("w")

@@ -92,7 +92,11 @@ async def _serve_rank(kind: ServiceKind, config: Any, group: EpGroup) -> bool:
     server_config = config.server
     host = server_config.public_host
     loaded = await asyncio.to_thread(load_engine_model, config.engine)
-    rank_model = expert_parallel_model(loaded, group.rank, group.size)
+    try:
+        rank_model = expert_parallel_model(loaded, group.rank, group.size)
+    except ValueError as exc:  # the model cannot be split this way: a usage error, not a crash
+        logger.error("pdserve %s --ep %d: %s", kind.command, group.size, exc)
+        raise SystemExit(2) from None
     internal = ServiceServer(
         server_config.host,
         server_config.port if group.rank else 0,
