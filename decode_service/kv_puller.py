@@ -50,7 +50,9 @@ from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-# Receive buffers at least this large are allocated on a worker thread while PullKv is out.
+# CUDA receive buffers at least this large are allocated on a worker thread while PullKv is out
+# (the caching allocator may call cudaMalloc). A host buffer is allocated on the event loop once
+# the request is on its way: one mmap, cheaper than the two thread hops a worker would add.
 ALLOCATE_ASIDE_BYTES = 8 << 20
 
 # PullKv answers after which the prefill has certainly not posted a send for this pull.
@@ -174,10 +176,8 @@ class KvPuller:
                 )
                 try:
                     call = pair.stub.PullKv(request, timeout=self._timeout.total_seconds())
-                    if buf is None and handle.num_bytes >= ALLOCATE_ASIDE_BYTES:
-                        buf = await asyncio.to_thread(self._receive_buffer, handle.num_bytes)
-                    elif buf is None:
-                        buf = self._receive_buffer(handle.num_bytes)
+                    if buf is None:
+                        buf = await self._allocate_during(handle.num_bytes)
                     response = await call
                     break
                 except grpc.aio.AioRpcError as exc:
@@ -204,6 +204,13 @@ class KvPuller:
                 self._receiving += 1
             future.add_done_callback(lambda f: self._received(channel, f))
             return future, buf
+
+    async def _allocate_during(self, num_bytes: int) -> torch.Tensor:
+        """A receive buffer, allocated while the PullKv call just made is on its way."""
+        if self._backend == "nccl" and num_bytes >= ALLOCATE_ASIDE_BYTES:
+            return await asyncio.to_thread(self._receive_buffer, num_bytes)
+        await asyncio.sleep(0)  # lets the call's task send the request first
+        return self._receive_buffer(num_bytes)
 
     def _receive_buffer(self, num_bytes: int) -> torch.Tensor:
         return torch.empty(num_bytes, dtype=torch.uint8, device=transfer_device(self._backend, self._device))

@@ -7,6 +7,13 @@ submission order: NCCL has no tags, so both sides keep the order in which the de
 transfers. Every wait is bounded by the channel timeout; after any failure the channel is broken
 and its owner builds a new one under a new generation (a fresh store prefix).
 
+Under gloo a pair's group has ``GLOO_STREAMS`` connections (one gloo device, so one socket and
+one I/O thread, each): a buffer of at least two ``MIN_CHUNK_BYTES`` is cut into as many chunks as
+fit (at most one per connection), each chunk goes over its own connection under its own tag, and
+the operation ends when every chunk has. One TCP stream over loopback moves far less than the
+memory bus does; several in parallel move more. Both sides cut a buffer of a given size the same
+way, and an operation ends before the next one starts, so order holds per pair as before.
+
 Lifecycle of a channel: created (nothing connected) -> connecting (on the first operation, both
 sides rendezvous through the prefill's TCPStore) -> ready -> broken or closed. Closing drops the
 group on the worker thread once the operation in progress ends, and the thread then exits, so a
@@ -21,6 +28,7 @@ import concurrent.futures
 import enum
 import logging
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +42,10 @@ DECODE_RANK = 1
 THREAD_NAME_PREFIX = "kv-pair-"
 # Trailing metadata of a PullKv refused with ABORTED: the lowest pair generation the prefill takes.
 MIN_GENERATION_METADATA = "pdserve-min-pair-generation"
+# Connections of one gloo pair, and the smallest chunk worth a connection of its own. Both sides of
+# a pair must use the same values (they decide how a buffer is cut).
+GLOO_STREAMS = 4
+MIN_CHUNK_BYTES = 1 << 20
 
 
 class ChannelState(enum.Enum):
@@ -57,6 +69,12 @@ def transfer_device(backend: str, device: torch.device) -> torch.device:
     if backend == "gloo":
         return torch.device("cpu")
     raise ValueError(f"unknown KV backend {backend!r}")
+
+
+def chunks(buf: torch.Tensor, streams: int) -> list[torch.Tensor]:
+    """How a flat buffer is cut for ``streams`` connections: views, in order, covering it once."""
+    count = max(1, min(streams, buf.numel() // MIN_CHUNK_BYTES))
+    return list(buf.tensor_split(count)) if count > 1 else [buf]
 
 
 def transfer_threads() -> int:
@@ -192,12 +210,7 @@ class PairChannel:
                 self._advance(ChannelState.READY)
             if buf is None:
                 return
-            if op == "send":
-                work = self._group.send([buf], self.peer, 0)
-            else:
-                work = self._group.recv([buf], self.peer, 0)
-            if not work.wait(self._timeout):
-                raise TransferError(f"{op} of {buf.numel()} bytes timed out after {self._timeout}")
+            self._wait(op, buf, self._post(op, buf))
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
         except Exception as exc:
@@ -209,6 +222,25 @@ class PairChannel:
             if isinstance(exc, TransferError):
                 raise
             raise TransferError(f"{op} on {self.prefix} failed: {exc}") from exc
+
+    def _post(self, op: str, buf: torch.Tensor) -> list[Any]:
+        """Posts every chunk of ``buf``: chunk i under tag i, so on connection i."""
+        parts = chunks(buf, GLOO_STREAMS) if self.backend == "gloo" else [buf]
+        if op == "send":
+            return [self._group.send([part], self.peer, tag) for tag, part in enumerate(parts)]
+        return [self._group.recv([part], self.peer, tag) for tag, part in enumerate(parts)]
+
+    def _wait(self, op: str, buf: torch.Tensor, works: list[Any]) -> None:
+        """Waits for every posted chunk, within one timeout."""
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        try:
+            for work in works:
+                # At least 1 ms: a zero timeout means "no timeout" to torch.distributed.
+                left = timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
+                if not work.wait(left):
+                    raise TransferError(f"{op} of {buf.numel()} bytes timed out after {self._timeout}")
+        finally:
+            works.clear()  # a failure's traceback must not keep the group's sockets alive
 
     def _build_group(self) -> Any:
         # A connection of its own: a TCPStore client runs one call at a time, and the rendezvous
@@ -222,8 +254,11 @@ class PairChannel:
             return dist.ProcessGroupNCCL(store, self.rank, 2, nccl_opts)
         gloo_opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         if self._local_host in ("", "0.0.0.0", "::"):
-            gloo_opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+            devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(GLOO_STREAMS)]
         else:
-            gloo_opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self._local_host)]
+            devices = [
+                dist.ProcessGroupGloo.create_device(hostname=self._local_host) for _ in range(GLOO_STREAMS)
+            ]
+        gloo_opts._devices = devices
         gloo_opts._timeout = self._timeout
         return dist.ProcessGroupGloo(store, self.rank, 2, gloo_opts)

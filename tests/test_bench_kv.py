@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pdserve.kv_layout import KvLayout
+from pdserve.kv_transport import GLOO_STREAMS, MIN_CHUNK_BYTES
 from tests.stack import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(180)
@@ -40,13 +41,14 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_bench_kv_moves_every_size_intact_and_reports_json() -> None:
     done = _bench(
-        "--tokens", "3,40", "--repeat", "2", "--layers", "3", "--kv-heads", "2", "--head-dim", "16",
+        "--tokens", "3,40,8192", "--repeat", "2", "--layers", "3", "--kv-heads", "2", "--head-dim", "16",
         "--dtype", "float32", "--timeout-s", "30", "--json",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line) for line in done.stdout.splitlines()]
-    assert [r["tokens"] for r in results] == [3, 40]
+    assert [r["tokens"] for r in results] == [3, 40, 8192]
     layout = KvLayout(keys=((2, 16),) * 3, values=((2, 16),) * 3, dtype=torch.float32)
+    assert results[-1]["bytes"] >= GLOO_STREAMS * MIN_CHUNK_BYTES  # moved in one chunk per connection
     for result in results:
         assert result.keys() >= KEYS
         assert result["bytes"] == layout.num_bytes(result["tokens"])

@@ -16,10 +16,13 @@ import torch.distributed as dist
 
 from pdserve.kv_transport import (
     DECODE_RANK,
+    GLOO_STREAMS,
+    MIN_CHUNK_BYTES,
     PREFILL_RANK,
     ChannelState,
     PairChannel,
     TransferError,
+    chunks,
     connect_store,
     host_store,
     pair_prefix,
@@ -108,6 +111,32 @@ def test_transfer_device() -> None:
         transfer_device("mpi", CPU)
 
 
+@pytest.mark.parametrize(
+    ("num_bytes", "streams", "count"),
+    [
+        (0, 4, 1),
+        (1, 4, 1),
+        (2 * MIN_CHUNK_BYTES - 1, 4, 1),
+        (2 * MIN_CHUNK_BYTES, 4, 2),
+        (3 * MIN_CHUNK_BYTES + 5, 4, 3),
+        (64 * MIN_CHUNK_BYTES + 3, 4, 4),
+        (64 * MIN_CHUNK_BYTES + 3, 1, 1),
+    ],
+)
+def test_chunks_cover_the_buffer_once_in_order(num_bytes: int, streams: int, count: int) -> None:
+    buf = torch.empty(num_bytes, dtype=torch.uint8)
+    parts = chunks(buf, streams)
+    assert len(parts) == count
+    assert sum(p.numel() for p in parts) == num_bytes
+    offset = 0
+    for part in parts:
+        assert part.is_contiguous()
+        assert part.data_ptr() == buf.data_ptr() + offset  # views, back to back, no copy
+        offset += part.numel()
+    assert max(p.numel() for p in parts) - min(p.numel() for p in parts) <= 1
+    assert chunks(buf, streams)[0].numel() == parts[0].numel()  # both sides cut the same way
+
+
 def test_a_channel_moves_host_tensors_under_gloo(stores: tuple[dist.TCPStore, dist.Store]) -> None:
     server, _ = stores
     channel = PairChannel(
@@ -138,6 +167,32 @@ def test_sends_arrive_intact_and_in_order(
     _exchange(prefill, decode, [333, 5, 70_000], seed=100)
     assert prefill.state is ChannelState.READY
     assert decode.state is ChannelState.READY
+
+
+def test_large_buffers_split_over_every_connection_arrive_intact_and_in_order(
+    stores: tuple[dist.TCPStore, dist.Store], channels: list[PairChannel]
+) -> None:
+    prefill, decode = _pair(stores, channels)
+    large = GLOO_STREAMS * MIN_CHUNK_BYTES + 12_345  # one chunk per connection
+    assert len(chunks(torch.empty(large, dtype=torch.uint8), GLOO_STREAMS)) == GLOO_STREAMS
+    # Chunked and whole buffers interleaved: each lands in its own buffer, in posting order.
+    _exchange(prefill, decode, [large, 3, 2 * MIN_CHUNK_BYTES + 1, large + 1, 70_000])
+    _exchange(decode, prefill, [large], seed=50)
+    assert prefill.state is ChannelState.READY
+    assert decode.state is ChannelState.READY
+
+
+def test_a_large_receive_without_a_send_times_out_within_the_bound(
+    stores: tuple[dist.TCPStore, dist.Store], channels: list[PairChannel]
+) -> None:
+    prefill, decode = _pair(stores, channels)
+    _exchange(prefill, decode, [64])
+    start = time.monotonic()
+    future = decode.recv(torch.zeros(GLOO_STREAMS * MIN_CHUNK_BYTES, dtype=torch.uint8))
+    with pytest.raises(TransferError, match=r"recv"):
+        future.result(timeout=RESULT_S)
+    assert time.monotonic() - start < TIMEOUT_S + 1.5  # every chunk waits within one bound
+    assert decode.state is ChannelState.BROKEN
 
 
 def test_transfers_run_in_both_directions(
