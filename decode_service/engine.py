@@ -15,6 +15,7 @@ Lifecycle of a request here:
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import logging
@@ -35,8 +36,10 @@ from pdserve.sampling import SamplingParams, sample
 
 logger = logging.getLogger(__name__)
 
-# Called on the engine thread with (new token ids, finish reason or None, error or None).
+# Called with (new token ids, finish reason or None, error or None): on the sequence's event loop
+# when it names one, else on the engine thread.
 EmitFn = Callable[[list[int], str | None, BaseException | None], None]
+_Emission = tuple[EmitFn, list[int], str | None, BaseException | None]
 
 
 @dataclass
@@ -52,6 +55,9 @@ class DecodeSequence:
     num_cached: int = 0  # positions whose KV is in the pool
     blocks: list[int] = field(default_factory=list)
     serial: int = -1  # unique within the engine (object ids are reused after garbage collection)
+    # The event loop ``emit`` runs on: a step's tokens for every sequence of one loop reach it in
+    # one wake-up, not one per sequence.
+    loop: asyncio.AbstractEventLoop | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -126,7 +132,7 @@ class DecodeEngine:
                     self._finish(seq, None, exc)
                 self._running.clear()
         for seq in [*self._running, *self._waiting]:
-            seq.emit([], None, RuntimeError("decode engine stopped"))
+            _deliver([(seq, (seq.emit, [], None, RuntimeError("decode engine stopped")))])
 
     def _receive(self, block: bool) -> None:
         try:
@@ -149,7 +155,7 @@ class DecodeEngine:
             reason = finish_reason(seq.first_token_id, 1, seq.params, self._m.limits.eos_token_ids)
             if reason is not None:
                 self._waiting.popleft()
-                seq.emit([], reason, None)
+                _deliver([(seq, (seq.emit, [], reason, None))])
                 continue
             if not self._pool.can_allocate(seq.max_cached_tokens()):
                 return  # first come, first served: wait until running requests free blocks
@@ -210,14 +216,16 @@ class DecodeEngine:
         self._metrics.steps.inc()
         self._metrics.generated_tokens.inc(len(rows))
         finished = []
+        emissions: list[tuple[DecodeSequence, _Emission]] = []
         for seq, token in zip(rows, tokens, strict=True):
             seq.num_cached += 1
             seq.num_generated += 1
             seq.last_token_id = token
             reason = finish_reason(token, seq.num_generated, seq.params, self._m.limits.eos_token_ids)
-            seq.emit([token], reason, None)
+            emissions.append((seq, (seq.emit, [token], reason, None)))
             if reason is not None:
                 finished.append(seq)
+        _deliver(emissions)
         for seq in finished:
             self._running.remove(seq)
             self._pool.free(seq.blocks)
@@ -233,4 +241,29 @@ class DecodeEngine:
     def _finish(self, seq: DecodeSequence, reason: str | None, error: BaseException | None) -> None:
         self._pool.free(seq.blocks)
         seq.blocks = []
-        seq.emit([], reason, error)
+        _deliver([(seq, (seq.emit, [], reason, error))])
+
+
+def _deliver(emissions: Sequence[tuple[DecodeSequence, _Emission]]) -> None:
+    """Runs each emission on its sequence's loop (one wake-up per loop) or here when it has none."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Emission]] = {}
+    for seq, emission in emissions:
+        if seq.loop is None:
+            _run(emission)
+        else:
+            by_loop.setdefault(seq.loop, []).append(emission)
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_run_all, batch)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            logger.debug("dropped %d emissions for a closed event loop", len(batch))
+
+
+def _run_all(batch: Sequence[_Emission]) -> None:
+    for emission in batch:
+        _run(emission)
+
+
+def _run(emission: _Emission) -> None:
+    emit, tokens, reason, error = emission
+    emit(tokens, reason, error)

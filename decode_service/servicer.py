@@ -57,9 +57,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         items: asyncio.Queue[_Item] = asyncio.Queue()
 
         def emit(tokens: list[int], reason: str | None, error: BaseException | None) -> None:
-            loop.call_soon_threadsafe(items.put_nowait, (tokens, reason, error))
+            items.put_nowait((tokens, reason, error))
 
-        seq = DecodeSequence(request.request_id, kv, request.first_token_id, params, emit)
+        seq = DecodeSequence(request.request_id, kv, request.first_token_id, params, emit, loop=loop)
         self._engine.submit(seq)
         try:
             while True:

@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from pdserve.engine_model import EngineModel
+from pdserve.engine_model import EngineModel, ForwardUnavailable
 from pdserve.kv_transport import MIN_GENERATION_METADATA, TransferError
 from pdserve.rpc_errors import RpcError, abort
 from pdserve.sampling_proto import sampling_from_proto
@@ -107,7 +107,10 @@ class PrefillServicer(KvHandoffServicer):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self._metrics.requests.inc()
         self._metrics.prompt_tokens.inc(len(request.prompt_token_ids))
-        result = await self._engine.run(request.prompt_token_ids, params)
+        try:
+            result = await self._engine.run(request.prompt_token_ids, params)
+        except ForwardUnavailable as exc:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"prefill could not run: {exc}")
         self._metrics.forward_seconds.observe(result.forward_seconds)
         self._metrics.batch_size.observe(result.batch_size)
         if result.finish_reason is not None or result.kv_buffer is None:
