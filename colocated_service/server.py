@@ -9,8 +9,6 @@ prefilled it.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -19,10 +17,10 @@ from decode_service.metrics import DecodeMetrics
 from decode_service.server import DECODE_WORK, DecodeParts, build_decode
 from decode_service.server import SERVICE_NAME as DECODE_SERVICE
 from pdserve.config import ColocatedConfig
-from pdserve.engine_model import EngineModel, load_engine_model
-from pdserve.expert_parallel.group_service import RankParts, ServiceKind, serve_group
-from pdserve.grpc_server import ServiceServer, announce_ready, wait_for_stop_signal
-from pdserve.metrics_server import MetricsServer
+from pdserve.engine_model import EngineModel
+from pdserve.grpc_server import ServiceServer
+from pdserve.service_kind import RankParts, ServiceKind
+from pdserve.service_main import serve_service
 from prefill_service.server import PREFILL_WORK, PrefillParts, build_prefill
 from prefill_service.server import SERVICE_NAME as PREFILL_SERVICE
 
@@ -91,37 +89,4 @@ KIND = ServiceKind(
 
 
 async def serve(config: ColocatedConfig) -> None:
-    if config.engine.ep > 1:
-        await serve_group(KIND, config)
-        return
-    engine_model = await asyncio.to_thread(load_engine_model, config.engine)
-    host = config.server.public_host
-    server = ServiceServer(
-        config.server.host, config.server.port, SERVICES, work_methods=WORK_METHODS, advertise_host=host
-    )
-    parts = build_colocated(config, engine_model, server)
-    decode_metrics = MetricsServer(
-        config.server.host, config.server.metrics_port, parts.decode.metrics.registry
-    )
-    prefill_metrics = MetricsServer(
-        config.server.host, config.prefill_metrics_port, parts.prefill.metrics.registry
-    )
-    await server.start()
-    expiry = asyncio.create_task(parts.prefill.run_expiry())
-    announce_ready(
-        "colocated",
-        grpc=server.address,
-        metrics=f"{host}:{decode_metrics.port}",
-        prefill_metrics=f"{host}:{prefill_metrics.port}",
-        kv_rendezvous=parts.prefill.kv_rendezvous,
-    )
-    await wait_for_stop_signal()
-    logger.info("draining colocated prefill+decode (grace %.1fs)", config.server.grace_s)
-    await server.drain(config.server.grace_s, busy=parts.prefill.busy)
-    expiry.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await expiry
-    await parts.close()
-    decode_metrics.close()
-    prefill_metrics.close()
-    logger.info("colocated service stopped")
+    await serve_service(KIND, config)

@@ -22,10 +22,10 @@ from decode_service.kv_source import KvSource
 from decode_service.metrics import DecodeMetrics
 from decode_service.servicer import DecodeServicer
 from pdserve.config import DecodeConfig
-from pdserve.engine_model import EngineModel, load_engine_model
-from pdserve.expert_parallel.group_service import RankParts, ServiceKind, serve_group
-from pdserve.grpc_server import ServiceServer, announce_ready, wait_for_stop_signal
-from pdserve.metrics_server import MetricsServer
+from pdserve.engine_model import EngineModel
+from pdserve.grpc_server import ServiceServer
+from pdserve.service_kind import RankParts, ServiceKind
+from pdserve.service_main import serve_service
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -104,26 +104,4 @@ KIND = ServiceKind(
 
 
 async def serve(config: DecodeConfig) -> None:
-    if config.engine.ep > 1:
-        await serve_group(KIND, config)
-        return
-    engine_model = await asyncio.to_thread(load_engine_model, config.engine)
-    server = ServiceServer(
-        config.server.host,
-        config.server.port,
-        [SERVICE_NAME],
-        work_methods=[DECODE_WORK],
-        advertise_host=config.server.public_host,
-    )
-    parts = build_decode(config, engine_model, server)
-    metrics_server = MetricsServer(config.server.host, config.server.metrics_port, parts.metrics.registry)
-    await server.start()
-    announce_ready(
-        "decode", grpc=server.address, metrics=f"{config.server.public_host}:{metrics_server.port}"
-    )
-    await wait_for_stop_signal()
-    logger.info("draining decode (grace %.1fs)", config.server.grace_s)
-    await server.drain(config.server.grace_s)
-    await parts.close()
-    metrics_server.close()
-    logger.info("decode stopped")
+    await serve_service(KIND, config)

@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Collection, Sequence
-from typing import Any, TextIO
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -200,11 +200,11 @@ async def wait_for_stop_signal() -> None:
             loop.remove_signal_handler(sig)
 
 
-def announce_ready(service: str, out: TextIO = sys.stdout, **addresses: Any) -> None:
+def announce_ready(service: str, **fields: Any) -> None:
     """Prints the one JSON ready line that launchers and tools read from stdout."""
-    line = {"ready": True, "service": service, **addresses, "pid": os.getpid()}
-    out.write(json.dumps(line) + "\n")
-    out.flush()
+    line = {"ready": True, "service": service, **fields, "pid": os.getpid()}
+    sys.stdout.write(json.dumps(line) + "\n")
+    sys.stdout.flush()
 
 
 def abort_code_for(

@@ -9,7 +9,6 @@ ReleaseKv until what is parked has been pulled, released or has expired and ever
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from dataclasses import dataclass
@@ -19,12 +18,12 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
 from pdserve.config import PrefillConfig
-from pdserve.engine_model import EngineModel, load_engine_model
-from pdserve.expert_parallel.group_service import RankParts, ServiceKind, serve_group
-from pdserve.grpc_server import ServiceServer, announce_ready, wait_for_stop_signal
+from pdserve.engine_model import EngineModel
+from pdserve.grpc_server import ServiceServer
 from pdserve.kv_layout import dtype_name
 from pdserve.kv_transport import host_store, transfer_device
-from pdserve.metrics_server import MetricsServer
+from pdserve.service_kind import RankParts, ServiceKind
+from pdserve.service_main import serve_service
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 from prefill_service.engine import PrefillEngine
 from prefill_service.kv_registry import KvRegistry
@@ -138,33 +137,4 @@ KIND = ServiceKind(
 
 
 async def serve(config: PrefillConfig) -> None:
-    if config.engine.ep > 1:
-        await serve_group(KIND, config)
-        return
-    engine_model = await asyncio.to_thread(load_engine_model, config.engine)
-    server = ServiceServer(
-        config.server.host,
-        config.server.port,
-        [SERVICE_NAME],
-        work_methods=[PREFILL_WORK],
-        advertise_host=config.server.public_host,
-    )
-    parts = build_prefill(config, engine_model, server)
-    metrics_server = MetricsServer(config.server.host, config.server.metrics_port, parts.metrics.registry)
-    await server.start()
-    expiry = asyncio.create_task(parts.run_expiry())
-    announce_ready(
-        "prefill",
-        grpc=server.address,
-        metrics=f"{config.server.public_host}:{metrics_server.port}",
-        kv_rendezvous=parts.kv_rendezvous,
-    )
-    await wait_for_stop_signal()
-    logger.info("draining prefill (grace %.1fs)", config.server.grace_s)
-    await server.drain(config.server.grace_s, busy=parts.busy)
-    expiry.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await expiry
-    parts.close()
-    metrics_server.close()
-    logger.info("prefill stopped")
+    await serve_service(KIND, config)

@@ -20,50 +20,22 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry
-
-from pdserve.engine_model import EngineModel, load_engine_model
+from pdserve.engine_model import load_engine_model
 from pdserve.expert_parallel.ep_metrics import register_ep_metrics
 from pdserve.expert_parallel.group import EpGroup
 from pdserve.expert_parallel.rank_model import expert_parallel_model
 from pdserve.expert_parallel.rank_router import DecodeRouter, PrefillRouter, RankChannels
 from pdserve.grpc_server import ServiceServer, announce_ready
 from pdserve.metrics_server import MetricsServer
+from pdserve.service_kind import ServiceKind
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 LOCKSTEP_POLL_S = 0.05
 JOIN_TIMEOUT_S = 30.0
-
-
-@dataclass
-class RankParts:
-    """One rank's service as the group runs it."""
-
-    metrics: list[tuple[str, CollectorRegistry, int]]  # ready-line key, registry, port
-    busy: Callable[[], int]
-    close: Callable[[], Awaitable[None]]
-    ready: dict[str, str] = field(default_factory=dict)
-    background: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class ServiceKind:
-    """What the group needs to know of one service."""
-
-    command: str  # the pdserve subcommand
-    config_cls: type
-    service_names: list[str]
-    work_methods: list[str]
-    build: Callable[[Any, EngineModel, ServiceServer, int], RankParts]
-    routes_prefill: bool
-    routes_decode: bool
-    decode_by_handle_rank: bool = False  # colocated: the KV is only on the rank that prefilled it
 
 
 async def serve_group(kind: ServiceKind, config: Any) -> None:

@@ -1,0 +1,43 @@
+"""What running a prefill, decode or colocated service takes, whatever the process layout.
+
+A ``ServiceKind`` names a service's gRPC services and work methods and builds its parts for one
+process (``RankParts``): metrics registries, what the ready line carries, what keeps a drain
+waiting, background tasks and how to close. ``service_main`` runs a kind as one process, and
+``expert_parallel.group_service`` as a group of ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from pdserve.engine_model import EngineModel
+from pdserve.grpc_server import ServiceServer
+
+
+@dataclass
+class RankParts:
+    """One process's service (a whole service, or one rank of an expert-parallel group)."""
+
+    metrics: list[tuple[str, CollectorRegistry, int]]  # ready-line key, registry, port
+    busy: Callable[[], int]
+    close: Callable[[], Awaitable[None]]
+    ready: dict[str, str] = field(default_factory=dict)
+    background: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ServiceKind:
+    """One service, as its processes are started."""
+
+    command: str  # the pdserve subcommand
+    config_cls: type
+    service_names: list[str]
+    work_methods: list[str]
+    build: Callable[[Any, EngineModel, ServiceServer, int], RankParts]
+    routes_prefill: bool
+    routes_decode: bool
+    decode_by_handle_rank: bool = False  # colocated: the KV is only on the rank that prefilled it
