@@ -5,7 +5,9 @@ forward together. Engines hand their forwards to ``run`` (from their own threads
 lockstep thread, once per tick:
 1. all-reduces two flags over the group: "I have a forward" and "I am stopping";
 2. if any rank stops, every rank leaves the loop (the group ends together);
-3. if no rank has work, it sleeps a little (backing off up to ``IDLE_SLEEP_MAX_S``) and ticks again;
+3. if no rank has work, rank 0 waits a little (backing off up to ``IDLE_SLEEP_MAX_S``, cut short
+   when a forward of its own arrives) while the others go straight into the next tick's exchange
+   and wait there without using the CPU: an idle group ticks at most every ``IDLE_SLEEP_MAX_S``;
 4. otherwise every rank runs one forward: its own, or a one-token filler that only takes part in
    the exchanges (a rank without requests at this step).
 Any failure (a rank died, a collective timed out, a forward raised: the group is no longer in step)
@@ -19,7 +21,6 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -32,13 +33,15 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 IDLE_SLEEP_MIN_S = 0.0005
-IDLE_SLEEP_MAX_S = 0.005
+IDLE_SLEEP_MAX_S = 0.02
 
 
 class Lockstep:
-    def __init__(self, filler: Callable[[], Any], device: torch.device) -> None:
+    def __init__(self, filler: Callable[[], Any], device: torch.device, leader: bool) -> None:
         self._filler = filler
         self._device = device
+        self._leader = leader  # rank 0 paces the idle ticks
+        self._wake = threading.Event()
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
             queue.SimpleQueue()
         )
@@ -55,6 +58,7 @@ class Lockstep:
     def stop(self) -> None:
         """Ends the loop on every rank of the group at the next tick."""
         self._stopping.set()
+        self._wake.set()
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
@@ -69,6 +73,7 @@ class Lockstep:
             raise ForwardUnavailable(self._why())
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._jobs.put((fn, future))
+        self._wake.set()
         if self.ended.is_set():
             self._fail_queued()
         return future.result()
@@ -93,8 +98,10 @@ class Lockstep:
                 if flags[1]:
                     break
                 if not flags[0]:
-                    time.sleep(idle_sleep)
-                    idle_sleep = min(idle_sleep * 2, IDLE_SLEEP_MAX_S)
+                    if self._leader:
+                        self._wake.wait(idle_sleep)
+                        self._wake.clear()
+                        idle_sleep = min(idle_sleep * 2, IDLE_SLEEP_MAX_S)
                     continue
                 idle_sleep = IDLE_SLEEP_MIN_S
                 self.ticks += 1

@@ -46,5 +46,5 @@ def expert_parallel_model(engine_model: EngineModel, rank: int, size: int) -> Ra
     def filler() -> None:
         model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
 
-    lockstep = Lockstep(filler, device)
+    lockstep = Lockstep(filler, device, leader=rank == 0)
     return RankModel(dataclasses.replace(engine_model, run_forward=lockstep.run), lockstep, dispatch)
