@@ -22,9 +22,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
+from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import Stream, generate_many, make_request
-from tests.stack import REPO_ROOT, Stack, scrape, service_env, wait_for
+from tests.stack import REPO_ROOT, ServiceProcess, Stack, scrape, service_env, wait_for
 from tests.test_equivalence import divergence_report, reference_tokens
 from tests.test_health_reflection import health
 from tests.test_up import PDSERVE
@@ -276,3 +277,56 @@ def test_killing_a_rank_fails_its_group_within_a_bound(ep_stack: Stack) -> None:
     assert wait_for(
         lambda: all(scrape(a)["pdserve_kv_parked_handles"] == 0 for a in prefill.rank_metrics), 15
     )
+
+
+def test_drain_waits_for_the_kv_parked_on_every_rank(cache_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM on rank 0 of a prefill group: it drains until the KV parked on rank 1 is gone too."""
+    env = service_env(cache_dir)
+    prefill = ServiceProcess(
+        "prefill",
+        ["--model", MODEL, "--host", "127.0.0.1", "--ep", "2", "--grace-s", "30"],
+        env,
+        tmp_path / "prefill.log",
+    )
+    prefill.start()
+    prefill.wait_ready()
+    try:
+        sampling = sampling_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+        async def park() -> list[kv_pb2.KvHandle]:
+            async with grpc.aio.insecure_channel(prefill.grpc) as channel:
+                stub = prefill_pb2_grpc.PrefillStub(channel)
+                calls = [
+                    stub.Prefill(
+                        prefill_pb2.PrefillRequest(prompt_token_ids=[3 + i] * (20 + i), sampling=sampling)
+                    )
+                    for i in range(4)
+                ]
+                return [r.kv_handle for r in await asyncio.gather(*calls)]
+
+        handles = asyncio.run(park())
+        assert {h.rank for h in handles} == {0, 1}, [h.rank for h in handles]
+        addresses = {h.rank: h.prefill_address for h in handles}
+        assert addresses[0] != addresses[1] and prefill.grpc not in addresses.values()
+
+        async def release(rank: int) -> None:
+            for h in (h for h in handles if h.rank == rank):
+                async with grpc.aio.insecure_channel(h.prefill_address) as channel:
+                    response = await prefill_pb2_grpc.PrefillStub(channel).ReleaseKv(
+                        prefill_pb2.ReleaseKvRequest(handle_id=h.id)
+                    )
+                    assert response.released
+
+        prefill.signal(signal.SIGTERM)
+        assert wait_for(lambda: health(prefill.grpc) == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+        asyncio.run(release(0))
+        time.sleep(1.5)
+        assert prefill.popen is not None and prefill.popen.poll() is None, (
+            "rank 0 stopped with KV parked on rank 1"
+        )
+        asyncio.run(release(1))
+        assert prefill.popen.wait(20) == 0
+        for pid in prefill.rank_pids:
+            assert wait_for(lambda pid=pid: not _alive(pid), 10)
+    finally:
+        prefill.stop()

@@ -78,6 +78,7 @@ async def _serve_rank(kind: ServiceKind, config: Any, group: EpGroup) -> bool:
     )
     parts = kind.build(config, rank_model.engine_model, internal, group.rank)
     lockstep = rank_model.lockstep
+    lockstep.track_busy(parts.busy)
     register_ep_metrics(parts.metrics[0][1], group.rank, group.size, lockstep, rank_model.dispatch)
     metrics_servers = {
         key: MetricsServer(server_config.host, port, registry) for key, registry, port in parts.metrics
@@ -132,7 +133,8 @@ async def _serve_rank(kind: ServiceKind, config: Any, group: EpGroup) -> bool:
         if stop.is_set():
             if public is not None:
                 logger.info("draining expert-parallel %s (grace %.1fs)", kind.command, server_config.grace_s)
-                await public.drain(server_config.grace_s, busy=parts.busy)
+                # Waits for what every rank holds: a decode pulls KV from the rank that parked it.
+                await public.drain(server_config.grace_s, busy=lambda: max(parts.busy(), lockstep.group_busy))
             lockstep.stop()  # on a rank other than 0, this stops the whole group
             await asyncio.to_thread(lockstep.join, JOIN_TIMEOUT_S)
         else:

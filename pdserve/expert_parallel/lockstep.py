@@ -3,7 +3,9 @@
 A MoE forward exchanges tokens with every other rank in each MoE layer, so all ranks must run a
 forward together. Engines hand their forwards to ``run`` (from their own threads) and wait; the
 lockstep thread, once per tick:
-1. all-reduces two flags over the group: "I have a forward" and "I am stopping";
+1. all-reduces (max) three numbers over the group: "I have a forward", "I am stopping" and what
+   the rank's service still holds (``track_busy``: parked KV, sends in flight), so rank 0's drain
+   can wait for every rank's (``group_busy``);
 2. if any rank stops, every rank leaves the loop (the group ends together);
 3. if no rank has work, rank 0 waits a little (backing off up to ``IDLE_SLEEP_MAX_S``, cut short
    when a forward of its own arrives) while the others go straight into the next tick's exchange
@@ -42,6 +44,8 @@ class Lockstep:
         self._device = device
         self._leader = leader  # rank 0 paces the idle ticks
         self._wake = threading.Event()
+        self._busy: Callable[[], int] = lambda: 0
+        self.group_busy = 0  # the most any rank held at the last tick
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
             queue.SimpleQueue()
         )
@@ -59,6 +63,10 @@ class Lockstep:
         """Ends the loop on every rank of the group at the next tick."""
         self._stopping.set()
         self._wake.set()
+
+    def track_busy(self, busy: Callable[[], int]) -> None:
+        """What this rank's service still holds, reported to the group at every tick."""
+        self._busy = busy
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
@@ -93,8 +101,11 @@ class Lockstep:
             while True:
                 if job is None:
                     job = self._next_job()
-                flags = torch.tensor([int(job is not None), int(self._stopping.is_set())], dtype=torch.int64)
+                flags = torch.tensor(
+                    [int(job is not None), int(self._stopping.is_set()), self._busy()], dtype=torch.int64
+                )
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+                self.group_busy = int(flags[2])
                 if flags[1]:
                     break
                 if not flags[0]:
