@@ -47,6 +47,10 @@ class EngineConfig:
     cache_dir: str = field(
         default="", metadata={"help": "where presets are built (default ~/.cache/pdserve)"}
     )
+    compile: bool = field(
+        default=False,
+        metadata={"help": "run the engine's forwards through torch.compile (inductor, dynamic shapes)"},
+    )
     ep: int = field(
         default=1,
         metadata={

@@ -41,10 +41,13 @@ class EngineModel:
     kv_layout: KvLayout
     # How a forward runs: at once, or at the next tick of an expert-parallel group (``Lockstep.run``).
     run_forward: Callable[[Callable[[], Any]], Any] = run_directly
+    # The module the engines' forwards call: ``model`` itself, or ``model`` compiled (``--compile``).
+    forward_module: Any = None
 
     def forward(self, **inputs: Any) -> Any:
         """The model's forward on ``inputs``, run the way this engine runs forwards."""
-        return self.run_forward(lambda: self.model(**inputs))
+        module = self.model if self.forward_module is None else self.forward_module
+        return self.run_forward(lambda: module(**inputs))
 
 
 def resolve_dtype(name: str, device: torch.device, config: Any) -> torch.dtype:
@@ -118,4 +121,6 @@ def load_engine_model(config: EngineConfig) -> EngineModel:
         device=device,
         fingerprint=fingerprint(model, dtype),
         kv_layout=measure_kv_layout(model, device),
+        # Shapes (batch, context) change at every step: compiled once with dynamic sizes.
+        forward_module=torch.compile(model, dynamic=True) if config.compile else None,
     )

@@ -61,6 +61,10 @@ class UpConfig:
         metadata={"help": "expert-parallel ranks (processes) of each prefill (colocated: of each service)"},
     )
     decode_ep: int = field(default=1, metadata={"help": "expert-parallel ranks (processes) of each decode"})
+    compile: bool = field(
+        default=False,
+        metadata={"help": "engines run their forwards through torch.compile (first shapes compile)"},
+    )
     max_restarts: int = field(
         default=5, metadata={"help": "give up when one child dies more often than this within the window"}
     )
@@ -170,6 +174,8 @@ def service_command(config: UpConfig, spec: LaunchSpec) -> list[str]:
     else:
         command += ["--device", config.device, "--threads", str(config.threads)]
         command += ["--ep", str(config.decode_ep if spec.role == DECODE else config.prefill_ep)]
+        if config.compile:
+            command += ["--compile", "true"]
     if spec.role in (PREFILL, COLOCATED):
         command += ["--kv-port", str(spec.kv_port)]
     if spec.role == COLOCATED:

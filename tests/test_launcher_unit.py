@@ -274,8 +274,12 @@ def test_service_command() -> None:
     decode = launcher.service_command(UpConfig(prefill_ep=4, decode_ep=2), LaunchSpec("decode"))
     assert "--kv-port" not in decode and "--cache-dir" not in decode
     assert dict(zip(decode[4::2], decode[5::2], strict=True))["--ep"] == "2"
-    colocated = launcher.service_command(UpConfig(mode="colocated", prefill_ep=2), LaunchSpec("colocated"))
-    assert dict(zip(colocated[4::2], colocated[5::2], strict=True))["--ep"] == "2"
+    colocated = launcher.service_command(
+        UpConfig(mode="colocated", prefill_ep=2, compile=True), LaunchSpec("colocated")
+    )
+    flags = dict(zip(colocated[4::2], colocated[5::2], strict=True))
+    assert flags["--ep"] == "2" and flags["--compile"] == "true"
+    assert "--compile" not in decode
     gateway = launcher.service_command(
         UpConfig(port=8000), LaunchSpec("gateway", port=8000, prefill=("h:1", "h:2"), decode=("h:3",))
     )
