@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 import grpc
 
 from gateway.backend_health import BackendHealth, probe_forever
-from pdserve.grpc_server import MAX_MESSAGE_BYTES
+from pdserve.grpc_server import MESSAGE_SIZE_OPTIONS
 from pdserve.rpc_errors import RpcError
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
@@ -27,8 +27,7 @@ StubT = TypeVar("StubT")
 PICK_WAIT_S = 5.0
 
 CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    *MESSAGE_SIZE_OPTIONS,
     # A backend that comes back (restarted on its address) is reconnected to within a second or two.
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),

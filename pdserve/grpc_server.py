@@ -30,6 +30,11 @@ from grpc_reflection.v1alpha import reflection
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Channel and server options of every pdserve gRPC endpoint: KV handles and responses may be large.
+MESSAGE_SIZE_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
 DRAIN_POLL_S = 0.05
 # After the grace period: how long streams get to end with UNAVAILABLE before the server stops.
 HAND_BACK_S = 1.0
@@ -125,11 +130,7 @@ class ServiceServer:
         work_methods: Collection[str] = (),
         advertise_host: str = "",
     ) -> None:
-        options = [
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
-        ]
+        options = [*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)]
         self._gate = DrainGate(work_methods)
         self.server = grpc.aio.server(options=options, interceptors=[self._gate])
         self.health = health.aio.HealthServicer()

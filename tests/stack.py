@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -183,6 +184,13 @@ class Stack:
         services = [*([self.gateway] if self.gateway else []), *self.decodes, *self.prefills]
         for service in services:
             service.stop()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def scrape(address: str) -> dict[str, float]:

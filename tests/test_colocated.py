@@ -3,34 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tests.grpc_client import generate_many, make_request
-from tests.stack import REPO_ROOT, scrape, service_env, wait_for
+from tests.stack import scrape, wait_for
 from tests.test_equivalence import divergence_report, reference_tokens
-from tests.test_up import PDSERVE
+from tests.test_up import pdserve_up
 
 
 def test_colocated_stack_matches_generate(cache_dir: Path, tmp_path: Path, reference_models: Any) -> None:
     model, _ = reference_models("tiny-mla-moe")
-    log = (tmp_path / "up.log").open("w")
-    up = subprocess.Popen(
-        [*PDSERVE, "up", "--mode", "colocated", "--model", "tiny-mla-moe", "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        cwd=REPO_ROOT,
-        env=service_env(cache_dir),
-    )
-    try:
-        assert up.stdout is not None
-        ready = json.loads(up.stdout.readline())
+    with pdserve_up(
+        cache_dir, tmp_path / "up.log", "--mode", "colocated", "--model", "tiny-mla-moe", "--port", "0"
+    ) as (up, ready):
         prefill, decode = ready["prefill"][0], ready["decode"][0]
         assert prefill["grpc"] == decode["grpc"] and prefill["pid"] == decode["pid"]
         assert prefill["metrics"] != decode["metrics"]
@@ -58,8 +47,3 @@ def test_colocated_stack_matches_generate(cache_dir: Path, tmp_path: Path, refer
 
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        log.close()

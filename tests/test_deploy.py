@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tomllib
@@ -34,7 +33,7 @@ from pdserve.config import DecodeConfig, GatewayConfig, PrefillConfig
 from pdserve.health_client import poll_until_serving
 from tests import deploy_tools
 from tests.grpc_client import generate_many, make_request
-from tests.stack import REPO_ROOT, scrape, service_env
+from tests.stack import REPO_ROOT, free_port, scrape, service_env
 
 CONFIGS: dict[str, type] = {"prefill": PrefillConfig, "decode": DecodeConfig, "gateway": GatewayConfig}
 # Read by the libraries the services run (NCCL), not by pdserve's own settings.
@@ -361,12 +360,6 @@ def test_dockerfile_lints_and_builds_both_targets_as_a_non_root_user(
 
 
 # --- the start commands as processes --------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def localize(

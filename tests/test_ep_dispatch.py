@@ -7,7 +7,6 @@ preset in a group of one rank."""
 from __future__ import annotations
 
 import copy
-import socket
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +25,7 @@ from pdserve.expert_parallel.all_to_all_dispatch import AllToAllDispatch
 from pdserve.expert_parallel.dispatch import ExpertShard
 from pdserve.expert_parallel.experts import ShardedExperts, shard_experts
 from pdserve.expert_parallel.rank_model import expert_parallel_model
+from tests.stack import free_port
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K, SIZE = 16, 8, 8, 2, 2
 
@@ -96,9 +96,7 @@ def _rank(rank: int, port: int, results: Any) -> None:
 
 
 def test_all_to_all_dispatch_equals_single_process_experts() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     processes = [ctx.Process(target=_rank, args=(r, port, results)) for r in range(SIZE)]
@@ -131,9 +129,7 @@ def test_bad_expert_shards_are_refused(rank: int, size: int, message: str) -> No
 @pytest.fixture
 def group_of_one() -> Iterator[None]:
     """This process as a 1-rank gloo group: the whole expert-parallel path, no peer needed."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:

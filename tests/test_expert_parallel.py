@@ -8,7 +8,6 @@ colocated --prefill-ep 2`` covers the co-located group. The last test kills a ra
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -28,7 +27,7 @@ from tests.grpc_client import Stream, generate_many, make_request
 from tests.stack import REPO_ROOT, ServiceProcess, Stack, scrape, service_env, wait_for
 from tests.test_equivalence import divergence_report, reference_tokens
 from tests.test_health_reflection import health
-from tests.test_up import PDSERVE
+from tests.test_up import PDSERVE, pdserve_up, pid_alive
 
 MODEL = "tiny-deepseek-moe"
 EP_TIMEOUT_S = 5.0
@@ -119,14 +118,18 @@ def test_a_rank_with_no_requests_steps_with_a_filler(ep_stack: Stack, reference_
 
 def test_up_starts_ep_groups_on_both_sides(cache_dir: Path, tmp_path: Path, reference_models: Any) -> None:
     model, _ = reference_models(MODEL)
-    log = (tmp_path / "up.log").open("w")
-    command = [*PDSERVE, "up", "--model", MODEL, "--port", "0", "--prefill-ep", "2", "--decode-ep", "2"]
-    up = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO_ROOT, env=service_env(cache_dir)
-    )
-    try:
-        assert up.stdout is not None
-        ready = json.loads(up.stdout.readline())
+    with pdserve_up(
+        cache_dir,
+        tmp_path / "up.log",
+        "--model",
+        MODEL,
+        "--port",
+        "0",
+        "--prefill-ep",
+        "2",
+        "--decode-ep",
+        "2",
+    ) as (up, ready):
         for side in ("prefill", "decode"):
             ranks = ready[side][0]["ranks"]
             assert [r["rank"] for r in ranks] == [0, 1] and len({r["pid"] for r in ranks}) == 2, ranks
@@ -138,14 +141,9 @@ def test_up_starts_ep_groups_on_both_sides(cache_dir: Path, tmp_path: Path, refe
         assert up.wait(60) == 0
         for side in ("prefill", "decode"):
             for rank in ready[side][0]["ranks"]:
-                assert wait_for(lambda pid=rank["pid"]: not _alive(pid), 10), (
+                assert wait_for(lambda pid=rank["pid"]: not pid_alive(pid), 10), (
                     f"{side} rank {rank} outlived up"
                 )
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        log.close()
 
 
 def test_ep_on_a_dense_model_is_a_usage_error(cache_dir: Path) -> None:
@@ -163,18 +161,18 @@ def test_ep_on_a_dense_model_is_a_usage_error(cache_dir: Path) -> None:
 
 def test_colocated_ep_group_matches_generate(cache_dir: Path, tmp_path: Path, reference_models: Any) -> None:
     model, _ = reference_models(MODEL)
-    log = (tmp_path / "up.log").open("w")
-    up = subprocess.Popen(
-        [*PDSERVE, "up", "--mode", "colocated", "--prefill-ep", "2", "--model", MODEL, "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        cwd=REPO_ROOT,
-        env=service_env(cache_dir),
-    )
-    try:
-        assert up.stdout is not None
-        ready = json.loads(up.stdout.readline())
+    with pdserve_up(
+        cache_dir,
+        tmp_path / "up.log",
+        "--mode",
+        "colocated",
+        "--prefill-ep",
+        "2",
+        "--model",
+        MODEL,
+        "--port",
+        "0",
+    ) as (up, ready):
         service = ready["prefill"][0]
         ranks = service["ranks"]
         assert [r["rank"] for r in ranks] == [0, 1] and len({r["pid"] for r in ranks}) == 2
@@ -204,24 +202,7 @@ def test_colocated_ep_group_matches_generate(cache_dir: Path, tmp_path: Path, re
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
         for pid in (r["pid"] for r in ranks):
-            assert wait_for(lambda pid=pid: not _alive(pid), 10), f"rank process {pid} outlived the stack"
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        log.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is not alive
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+            assert wait_for(lambda pid=pid: not pid_alive(pid), 10), f"rank process {pid} outlived the stack"
 
 
 def test_killing_a_rank_fails_its_group_within_a_bound(ep_stack: Stack) -> None:
@@ -265,7 +246,7 @@ def test_killing_a_rank_fails_its_group_within_a_bound(ep_stack: Stack) -> None:
     # Rank 0 of the broken group exits (1) after its grace period, so its supervisor can start it again.
     assert ep_decode.popen is not None
     assert ep_decode.popen.wait(GRACE_S + 15) == 1
-    assert not _alive(ep_decode.rank_pids[1])
+    assert not pid_alive(ep_decode.rank_pids[1])
     # The plain decode serves new requests; the prefill group holds no KV.
     more = asyncio.run(
         generate_many(
@@ -327,6 +308,6 @@ def test_drain_waits_for_the_kv_parked_on_every_rank(cache_dir: Path, tmp_path: 
         asyncio.run(release(1))
         assert prefill.popen.wait(20) == 0
         for pid in prefill.rank_pids:
-            assert wait_for(lambda pid=pid: not _alive(pid), 10)
+            assert wait_for(lambda pid=pid: not pid_alive(pid), 10)
     finally:
         prefill.stop()

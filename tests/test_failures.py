@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -42,7 +41,7 @@ from prefill_service.servicer import KvHandoffServicer
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import Stream, generate_many, make_request
 from tests.kv_peer import Peer
-from tests.stack import ServiceProcess, Stack, scrape, wait_for
+from tests.stack import ServiceProcess, Stack, free_port, scrape, wait_for
 from tests.test_equivalence import reference_tokens
 
 MODEL = "tiny-llama"
@@ -52,12 +51,6 @@ GREEDY = sampling_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=T
 CPU = torch.device("cpu")
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +66,7 @@ def stack(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         decode_args=timeout,
     )
     for service in (*s.prefills, *s.decodes):
-        service.args += ["--port", str(_free_port())]
+        service.args += ["--port", str(free_port())]
     try:
         yield s.start()
     finally:

@@ -19,7 +19,7 @@ from pdserve.kv_layout import pack, unpack
 from pdserve.kv_transport import PairChannel, connect_store, host_store, pair_prefix
 from tests.conftest import PRESETS
 from tests.grpc_client import generate_many, make_request
-from tests.stack import Stack
+from tests.stack import Stack, free_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -125,7 +125,6 @@ def test_expert_parallel_path_on_cuda_tensors(cache_dir: Path) -> None:
     """The sharded experts, dispatch and lockstep on CUDA tensors, in a group of one rank (NCCL
     refuses two ranks on one GPU): every buffer on the device, logits equal to the plain model's."""
     import copy
-    import socket
 
     import torch.distributed as dist
 
@@ -138,9 +137,7 @@ def test_expert_parallel_path_on_cuda_tensors(cache_dir: Path) -> None:
     ids = torch.randint(3, m.limits.vocab_size, (3, 11), device=m.device)
     with torch.inference_mode():
         want = reference(input_ids=ids).logits
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=60))
     dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=0, world_size=1, device_id=m.device)
     try:

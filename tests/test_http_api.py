@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -25,7 +23,8 @@ from transformers import AutoTokenizer
 
 from tests.conftest import EOS_PROMPT, assert_no_leaks, eos_model_copy
 from tests.grpc_client import make_request, run
-from tests.stack import REPO_ROOT, ServiceProcess, Stack, scrape, service_env, wait_for
+from tests.stack import ServiceProcess, Stack, scrape, service_env, wait_for
+from tests.test_up import pdserve_up
 
 MODEL_ID = "tiny-llama-eos"
 LONG = 1900  # tokens: a request that is still decoding when its client leaves
@@ -502,18 +501,9 @@ def test_disconnect_while_waiting_for_a_whole_completion_cancels_decode(http_sta
 
 
 def test_up_announces_and_serves_http(cache_dir: Path, tmp_path: Path) -> None:
-    log = (tmp_path / "up.log").open("w")
-    up = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "up", "--model", "tiny-llama", "--port", "0", "--http-port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        cwd=REPO_ROOT,
-        env=service_env(cache_dir),
-    )
-    try:
-        assert up.stdout is not None
-        ready = json.loads(up.stdout.readline())
+    with pdserve_up(
+        cache_dir, tmp_path / "up.log", "--model", "tiny-llama", "--port", "0", "--http-port", "0"
+    ) as (up, ready):
         address = ready["gateway"]["http"]
         assert http_get(address, "/health") == (200, b"")
         client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0)
@@ -523,11 +513,6 @@ def test_up_announces_and_serves_http(cache_dir: Path, tmp_path: Path) -> None:
         assert "OpenAI-compatible API: http://" in (tmp_path / "up.log").read_text()
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        log.close()
 
 
 def test_up_passes_and_pins_the_http_port() -> None:

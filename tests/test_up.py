@@ -2,17 +2,43 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from tests.stack import REPO_ROOT, service_env, wait_for
 
 PDSERVE = [sys.executable, "-m", "pdserve"]
+
+
+@contextlib.contextmanager
+def pdserve_up(
+    cache_dir: Path, log_path: Path, *args: str
+) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
+    """``pdserve up ARGS`` as a user runs it: yields the process and its ready line; kills what is
+    left at the end (a test that stops it checks the exit itself)."""
+    with log_path.open("w") as log:
+        up = subprocess.Popen(
+            [*PDSERVE, "up", *args],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            cwd=REPO_ROOT,
+            env=service_env(cache_dir),
+        )
+        try:
+            assert up.stdout is not None
+            yield up, json.loads(up.stdout.readline())
+        finally:
+            if up.poll() is None:
+                up.kill()
+                up.wait()
 
 
 def pid_alive(pid: int) -> bool:
@@ -49,18 +75,9 @@ def generate_json(address: str, env: dict[str, str], *args: str) -> list[dict[st
 
 def test_up_serves_restarts_and_stops(cache_dir: Path, tmp_path: Path) -> None:
     env = service_env(cache_dir)
-    log = (tmp_path / "up.log").open("w")
-    up = subprocess.Popen(
-        [*PDSERVE, "up", "--model", "tiny-llama", "--port", "0", "--restart-backoff-s", "0.2"],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        cwd=REPO_ROOT,
-        env=env,
-    )
-    try:
-        assert up.stdout is not None
-        ready = json.loads(up.stdout.readline())
+    with pdserve_up(
+        cache_dir, tmp_path / "up.log", "--model", "tiny-llama", "--port", "0", "--restart-backoff-s", "0.2"
+    ) as (up, ready):
         assert ready["ready"] is True
         gateway = ready["gateway"]["grpc"]
         assert set(ready["gateway"]) >= {"grpc", "metrics", "pid"}
@@ -91,11 +108,6 @@ def test_up_serves_restarts_and_stops(cache_dir: Path, tmp_path: Path) -> None:
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
         assert wait_for(lambda: not any(pid_alive(p) for p in pids[:2]), 10), "children outlived pdserve up"
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        log.close()
 
 
 def test_generate_streams_plain_text(stack_pool: Any) -> None:

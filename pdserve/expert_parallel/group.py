@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from pdserve import cli_options
 from pdserve.config import EngineConfig
+from pdserve.kv_transport import connect_store, host_store
 from pdserve.launch_spec import with_parent_death_signal
 
 logger = logging.getLogger(__name__)
@@ -60,9 +61,7 @@ class EpGroup:
         """Rank 0: hosts the store and starts the other ranks of ``pdserve <command>``. Call it on
         the main thread: a follower gets SIGTERM when the thread that started it ends."""
         engine: EngineConfig = config.engine
-        store = dist.TCPStore(
-            host, 0, None, True, timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False
-        )
+        store = host_store(host, 0, timedelta(seconds=STARTUP_TIMEOUT_S))
         master = f"{connect_host(host)}:{store.port}"
         followers = []
         for rank in range(1, engine.ep):
@@ -80,8 +79,7 @@ class EpGroup:
 
     @classmethod
     def join(cls, engine: EngineConfig) -> EpGroup:
-        host, _, port = engine.ep_master.rpartition(":")
-        store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=STARTUP_TIMEOUT_S))
+        store = connect_store(engine.ep_master, timedelta(seconds=STARTUP_TIMEOUT_S))
         return cls(engine, store, [])
 
     def publish(self, info: dict[str, Any]) -> None:

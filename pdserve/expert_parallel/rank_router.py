@@ -20,21 +20,16 @@ from typing import Any
 
 import grpc
 
-from pdserve.grpc_server import MAX_MESSAGE_BYTES
+from pdserve.grpc_server import MESSAGE_SIZE_OPTIONS
 from pdserve.rpc_errors import abort
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 
 
 class RankChannels:
     """One channel per rank's internal server, and the calls in flight on each."""
 
     def __init__(self, addresses: Sequence[str]) -> None:
-        self.channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
+        self.channels = [grpc.aio.insecure_channel(a, options=MESSAGE_SIZE_OPTIONS) for a in addresses]
         self.in_flight = [0] * len(addresses)
 
     def least_loaded(self) -> int:
