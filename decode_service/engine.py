@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 # Called with (new token ids, finish reason or None, error or None): on the sequence's event loop
 # when it names one, else on the engine thread.
 EmitFn = Callable[[list[int], str | None, BaseException | None], None]
-_Emission = tuple[EmitFn, list[int], str | None, BaseException | None]
+# One sequence's news of a step: (sequence, new token ids, finish reason, error).
+_Emission = tuple["DecodeSequence", list[int], str | None, BaseException | None]
 
 
 @dataclass
@@ -132,7 +133,7 @@ class DecodeEngine:
                     self._finish(seq, None, exc)
                 self._running.clear()
         for seq in [*self._running, *self._waiting]:
-            _deliver([(seq, (seq.emit, [], None, RuntimeError("decode engine stopped")))])
+            _deliver([(seq, [], None, RuntimeError("decode engine stopped"))])
 
     def _receive(self, block: bool) -> None:
         try:
@@ -155,7 +156,7 @@ class DecodeEngine:
             reason = finish_reason(seq.first_token_id, 1, seq.params, self._m.limits.eos_token_ids)
             if reason is not None:
                 self._waiting.popleft()
-                _deliver([(seq, (seq.emit, [], reason, None))])
+                _deliver([(seq, [], reason, None)])
                 continue
             if not self._pool.can_allocate(seq.max_cached_tokens()):
                 return  # first come, first served: wait until running requests free blocks
@@ -216,13 +217,13 @@ class DecodeEngine:
         self._metrics.steps.inc()
         self._metrics.generated_tokens.inc(len(rows))
         finished = []
-        emissions: list[tuple[DecodeSequence, _Emission]] = []
+        emissions: list[_Emission] = []
         for seq, token in zip(rows, tokens, strict=True):
             seq.num_cached += 1
             seq.num_generated += 1
             seq.last_token_id = token
             reason = finish_reason(token, seq.num_generated, seq.params, self._m.limits.eos_token_ids)
-            emissions.append((seq, (seq.emit, [token], reason, None)))
+            emissions.append((seq, [token], reason, None))
             if reason is not None:
                 finished.append(seq)
         _deliver(emissions)
@@ -241,17 +242,18 @@ class DecodeEngine:
     def _finish(self, seq: DecodeSequence, reason: str | None, error: BaseException | None) -> None:
         self._pool.free(seq.blocks)
         seq.blocks = []
-        _deliver([(seq, (seq.emit, [], reason, error))])
+        _deliver([(seq, [], reason, error)])
 
 
-def _deliver(emissions: Sequence[tuple[DecodeSequence, _Emission]]) -> None:
+def _deliver(emissions: Sequence[_Emission]) -> None:
     """Runs each emission on its sequence's loop (one wake-up per loop) or here when it has none."""
     by_loop: dict[asyncio.AbstractEventLoop, list[_Emission]] = {}
-    for seq, emission in emissions:
-        if seq.loop is None:
+    for emission in emissions:
+        loop = emission[0].loop
+        if loop is None:
             _run(emission)
         else:
-            by_loop.setdefault(seq.loop, []).append(emission)
+            by_loop.setdefault(loop, []).append(emission)
     for loop, batch in by_loop.items():
         try:
             loop.call_soon_threadsafe(_run_all, batch)
@@ -265,5 +267,5 @@ def _run_all(batch: Sequence[_Emission]) -> None:
 
 
 def _run(emission: _Emission) -> None:
-    emit, tokens, reason, error = emission
-    emit(tokens, reason, error)
+    seq, tokens, reason, error = emission
+    seq.emit(tokens, reason, error)

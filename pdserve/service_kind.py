@@ -14,8 +14,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from pdserve.config import ServerConfig
 from pdserve.engine_model import EngineModel
 from pdserve.grpc_server import ServiceServer
+from pdserve.metrics_server import MetricsServer
 
 
 @dataclass
@@ -27,6 +29,10 @@ class RankParts:
     close: Callable[[], Awaitable[None]]
     ready: dict[str, str] = field(default_factory=dict)
     background: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
+
+    def serve_metrics(self, bind_host: str) -> dict[str, MetricsServer]:
+        """One metrics server per registry, keyed by its ready-line key."""
+        return {key: MetricsServer(bind_host, port, registry) for key, registry, port in self.metrics}
 
 
 @dataclass(frozen=True)
@@ -41,3 +47,13 @@ class ServiceKind:
     routes_prefill: bool
     routes_decode: bool
     decode_by_handle_rank: bool = False  # colocated: the KV is only on the rank that prefilled it
+
+    def server(self, config: ServerConfig, port: int) -> ServiceServer:
+        """A gRPC server of this service's names and work methods on ``port``."""
+        return ServiceServer(
+            config.host,
+            port,
+            self.service_names,
+            work_methods=self.work_methods,
+            advertise_host=config.public_host,
+        )

@@ -14,8 +14,7 @@ from typing import Any
 
 from pdserve.engine_model import load_engine_model
 from pdserve.expert_parallel.group_service import serve_group
-from pdserve.grpc_server import ServiceServer, announce_ready, wait_for_stop_signal
-from pdserve.metrics_server import MetricsServer
+from pdserve.grpc_server import announce_ready, wait_for_stop_signal
 from pdserve.service_kind import ServiceKind
 
 logger = logging.getLogger(__name__)
@@ -28,17 +27,9 @@ async def serve_service(kind: ServiceKind, config: Any) -> None:
     server_config = config.server
     host = server_config.public_host
     engine_model = await asyncio.to_thread(load_engine_model, config.engine)
-    server = ServiceServer(
-        server_config.host,
-        server_config.port,
-        kind.service_names,
-        work_methods=kind.work_methods,
-        advertise_host=host,
-    )
+    server = kind.server(server_config, server_config.port)
     parts = kind.build(config, engine_model, server, 0)
-    metrics_servers = {
-        key: MetricsServer(server_config.host, port, registry) for key, registry, port in parts.metrics
-    }
+    metrics_servers = parts.serve_metrics(server_config.host)
     await server.start()
     tasks = [asyncio.create_task(run()) for run in parts.background]
     announce_ready(

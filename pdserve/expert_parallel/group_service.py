@@ -28,7 +28,6 @@ from pdserve.expert_parallel.group import EpGroup
 from pdserve.expert_parallel.rank_model import expert_parallel_model
 from pdserve.expert_parallel.rank_router import DecodeRouter, PrefillRouter, RankChannels
 from pdserve.grpc_server import ServiceServer, announce_ready
-from pdserve.metrics_server import MetricsServer
 from pdserve.service_kind import ServiceKind
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
@@ -69,20 +68,12 @@ async def _serve_rank(kind: ServiceKind, config: Any, group: EpGroup) -> bool:
     except ValueError as exc:  # the model cannot be split this way: a usage error, not a crash
         logger.error("pdserve %s --ep %d: %s", kind.command, group.size, exc)
         raise SystemExit(2) from None
-    internal = ServiceServer(
-        server_config.host,
-        server_config.port if group.rank else 0,
-        kind.service_names,
-        work_methods=kind.work_methods,
-        advertise_host=host,
-    )
+    internal = kind.server(server_config, 0)  # rank 0's public port is for its routers
     parts = kind.build(config, rank_model.engine_model, internal, group.rank)
     lockstep = rank_model.lockstep
     lockstep.track_busy(parts.busy)
     register_ep_metrics(parts.metrics[0][1], group.rank, group.size, lockstep, rank_model.dispatch)
-    metrics_servers = {
-        key: MetricsServer(server_config.host, port, registry) for key, registry, port in parts.metrics
-    }
+    metrics_servers = parts.serve_metrics(server_config.host)
     await internal.start()
     tasks = [asyncio.create_task(run()) for run in parts.background]
     public: ServiceServer | None = None
@@ -110,13 +101,7 @@ async def _serve_rank(kind: ServiceKind, config: Any, group: EpGroup) -> bool:
         lockstep.start()
         logger.info("expert-parallel rank %d of %d in step", group.rank, group.size)
         if group.rank == 0:
-            public = ServiceServer(
-                server_config.host,
-                server_config.port,
-                kind.service_names,
-                work_methods=kind.work_methods,
-                advertise_host=host,
-            )
+            public = kind.server(server_config, server_config.port)
             ranks = RankChannels([i["grpc"] for i in infos])
             if kind.routes_prefill:
                 prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillRouter(ranks), public.server)
