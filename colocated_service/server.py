@@ -27,7 +27,7 @@ from prefill_service.server import SERVICE_NAME as PREFILL_SERVICE
 logger = logging.getLogger(__name__)
 
 SERVICES = [PREFILL_SERVICE, DECODE_SERVICE]
-WORK_METHODS = [PREFILL_WORK, DECODE_WORK]
+WORK_METHODS = [PREFILL_WORK, *DECODE_WORK]
 
 
 @dataclass

@@ -11,6 +11,11 @@ class DecodeMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.requests = Counter("pdserve_decode_requests", "Decode requests received", registry=registry)
+        self.update_messages = Counter(
+            "pdserve_decode_update_messages",
+            "DecodeMany response messages sent (each carries one step's updates of its call's requests)",
+            registry=registry,
+        )
         self.running = Gauge("pdserve_decode_running", "Requests in the running set", registry=registry)
         self.waiting = Gauge(
             "pdserve_decode_waiting", "Requests waiting to join the running set", registry=registry

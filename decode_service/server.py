@@ -31,7 +31,7 @@ from pdserve.v1 import decode_pb2, decode_pb2_grpc
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
-DECODE_WORK = f"/{SERVICE_NAME}/Decode"
+DECODE_WORK = [f"/{SERVICE_NAME}/Decode", f"/{SERVICE_NAME}/DecodeMany"]
 
 
 @dataclass
@@ -96,7 +96,7 @@ KIND = ServiceKind(
     "decode",
     DecodeConfig,
     [SERVICE_NAME],
-    [DECODE_WORK],
+    DECODE_WORK,
     _build_rank,
     routes_prefill=False,
     routes_decode=True,

@@ -1,25 +1,41 @@
-"""gRPC servicer of pdserve.v1.Decode: pull the KV, join the engine, stream tokens back."""
+"""gRPC servicer of pdserve.v1.Decode: pull the KV, join the engine, stream tokens back.
+
+``Decode`` carries one request per call; ``DecodeMany`` carries many over one call and sends each
+engine step's tokens for all of them in one message (``pdserve.update_stream``). Both admit a
+request the same way (``_prepare``: validate, check it can ever fit, pull its KV) and report an
+engine failure with the same status.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
+import torch
 
 from decode_service.engine import DecodeEngine, DecodeSequence
 from decode_service.kv_source import KvSource
 from decode_service.metrics import DecodeMetrics
 from pdserve.engine_model import ForwardUnavailable
 from pdserve.rpc_errors import RpcError, abort
+from pdserve.sampling import SamplingParams
 from pdserve.sampling_proto import sampling_from_proto
+from pdserve.update_stream import UpdateStream, serve_many
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 _Item = tuple[list[int], str | None, BaseException | None]
+_Kv = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+def engine_error(error: BaseException) -> RpcError:
+    """The status of a request the engine failed: UNAVAILABLE when no forward can run any more."""
+    code = grpc.StatusCode.UNAVAILABLE if isinstance(error, ForwardUnavailable) else grpc.StatusCode.INTERNAL
+    return RpcError(code, f"decode failed: {error}")
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -31,35 +47,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: Any
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        self._metrics.requests.inc()
         try:
-            params = sampling_from_proto(request.sampling)
-            if not params.is_greedy and params.seed is None:
-                raise ValueError("sampling.seed must be set on decode requests that sample")
-            if not request.HasField("kv_handle"):
-                raise ValueError("kv_handle is required")
-        except ValueError as exc:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        needed = request.kv_handle.num_tokens + params.max_tokens - 1
-        if not self._engine.fits_ever(needed):
-            await abort(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the request needs {needed} KV positions, more than this decode's whole pool",
-            )
-        try:
-            kv = await self._kv_source.pull(request.kv_handle)
+            params, kv = await self._prepare(request)
         except RpcError as exc:
-            logger.warning("request %s: %s", request.request_id, exc.message)
             await abort(context, exc.code, exc.message)
 
-        loop = asyncio.get_running_loop()
         items: asyncio.Queue[_Item] = asyncio.Queue()
 
         def emit(tokens: list[int], reason: str | None, error: BaseException | None) -> None:
             items.put_nowait((tokens, reason, error))
 
-        seq = DecodeSequence(request.request_id, kv, request.first_token_id, params, emit, loop=loop)
+        seq = DecodeSequence(
+            request.request_id, kv, request.first_token_id, params, emit, loop=asyncio.get_running_loop()
+        )
         self._engine.submit(seq)
         try:
             while True:
@@ -68,14 +68,64 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     more, reason, error = items.get_nowait()
                     tokens.extend(more)
                 if error is not None:
-                    code = (
-                        grpc.StatusCode.UNAVAILABLE
-                        if isinstance(error, ForwardUnavailable)
-                        else grpc.StatusCode.INTERNAL
-                    )
-                    await abort(context, code, f"decode failed: {error}")
+                    failure = engine_error(error)
+                    await abort(context, failure.code, failure.message)
                 yield decode_pb2.DecodeResponse(token_ids=tokens, finish_reason=reason or "")
                 if reason is not None:
                     return
         finally:
             seq.cancel()
+
+    async def DecodeMany(
+        self, request_iterator: AsyncIterator[decode_pb2.DecodeManyRequest], context: Any
+    ) -> AsyncIterator[decode_pb2.DecodeManyResponse]:
+        async for response in serve_many(request_iterator, self._run):
+            self._metrics.update_messages.inc()
+            yield response
+
+    async def _run(self, tag: int, request: decode_pb2.DecodeRequest, stream: UpdateStream) -> None:
+        """One request of a DecodeMany call, until its last update; cancelling this cancels it."""
+        params, kv = await self._prepare(request)
+        ended = asyncio.get_running_loop().create_future()
+
+        def emit(tokens: list[int], reason: str | None, error: BaseException | None) -> None:
+            if error is not None:
+                failure = engine_error(error)
+                stream.post(tag, tokens, code=failure.code, message=failure.message)
+            else:
+                stream.post(tag, tokens, reason or "")
+            if (reason is not None or error is not None) and not ended.done():
+                ended.set_result(None)
+
+        seq = DecodeSequence(
+            request.request_id, kv, request.first_token_id, params, emit, loop=asyncio.get_running_loop()
+        )
+        self._engine.submit(seq)
+        try:
+            await ended
+        finally:
+            seq.cancel()
+
+    async def _prepare(self, request: decode_pb2.DecodeRequest) -> tuple[SamplingParams, _Kv]:
+        """Validates a request and pulls its KV; raises RpcError with the status to answer."""
+        self._metrics.requests.inc()
+        try:
+            params = sampling_from_proto(request.sampling)
+            if not params.is_greedy and params.seed is None:
+                raise ValueError("sampling.seed must be set on decode requests that sample")
+            if not request.HasField("kv_handle"):
+                raise ValueError("kv_handle is required")
+        except ValueError as exc:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        needed = request.kv_handle.num_tokens + params.max_tokens - 1
+        if not self._engine.fits_ever(needed):
+            raise RpcError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the request needs {needed} KV positions, more than this decode's whole pool",
+            )
+        try:
+            kv = await self._kv_source.pull(request.kv_handle)
+        except RpcError as exc:
+            logger.warning("request %s: %s", request.request_id, exc.message)
+            raise
+        return params, kv

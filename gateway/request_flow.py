@@ -4,7 +4,8 @@
 2. Prefill on the least-loaded serving prefill: its forward samples the first token and parks the KV;
 3. stream that first token to the client at once (detokenized, stop strings applied);
 4. if the request is complete at its first token, it ends here: decode is never called;
-5. otherwise Decode on the least-loaded serving decode with the KV handle, relaying its stream;
+5. otherwise decode on the least-loaded serving decode with the KV handle, relaying its tokens
+   (the gateway's requests to one decode share one DecodeMany call: ``gateway.decode_mux``);
 6. a stop string ends the stream and cancels decode; if the request ends in any way before decode
    has pulled the KV (client cancel, error, stop), the KV is released on the prefill.
 
@@ -35,11 +36,12 @@ import grpc
 
 from gateway.backend_health import BackendHealth
 from gateway.backends import Backend, BackendPool
+from gateway.decode_mux import DecodeFailure, DecodeMux
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_input import PromptInput
 from gateway.text_stream import TextChunk, TextStream
 from pdserve.finish import STOP
-from pdserve.rpc_errors import RpcError
+from pdserve.rpc_errors import RpcError, status_code
 from pdserve.sampling import SamplingParams
 from pdserve.sampling_proto import sampling_to_proto
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, gateway_pb2, kv_pb2, prefill_pb2, prefill_pb2_grpc
@@ -104,6 +106,7 @@ class RequestFlow:
         self._decodes = decodes
         self._metrics = metrics
         self._background: set[asyncio.Task[None]] = set()
+        self._muxes: dict[DecodeBackend, DecodeMux] = {}
         for stage in ("prefill", "decode"):
             metrics.retries.labels(stage)  # exported at 0 from the start
         metrics.backends_serving.labels("prefill").set_function(lambda: prefills.num_serving)
@@ -215,7 +218,7 @@ class RequestFlow:
         where = f"decode {decode.address}"
         decode.outstanding += 1
         self._metrics.decode_calls.inc()
-        call = decode.stub.Decode(
+        muxed = self._mux(decode).start(
             decode_pb2.DecodeRequest(
                 request_id=request_id,
                 kv_handle=parked.handle,
@@ -226,12 +229,20 @@ class RequestFlow:
         streamed = 0
         try:
             while True:
-                message = await _guarded(decode.health, call.read(), call, where)
-                if message is grpc.aio.EOF:
-                    raise RpcError(grpc.StatusCode.INTERNAL, "decode stream ended without a finish reason")
+                try:
+                    update = await muxed.next()
+                except DecodeFailure as exc:
+                    if not exc.backend_down and exc.code != grpc.StatusCode.ABORTED:
+                        decode.health.call_failed(exc.code, exc.details)
+                    raise _AttemptFailed(exc.code, where, exc.details, streamed) from None
+                if update.error_code:
+                    code = status_code(update.error_code)
+                    if code != grpc.StatusCode.ABORTED:
+                        decode.health.call_failed(code, update.error_message)
+                    raise _AttemptFailed(code, where, update.error_message, streamed)
                 parked.pulled = True  # decode answers only after its pull
-                chunk = text.add(list(message.token_ids))
-                reason = STOP if chunk.stopped else (message.finish_reason or None)
+                chunk = text.add(list(update.token_ids))
+                reason = STOP if chunk.stopped else (update.finish_reason or None)
                 if reason is not None and not chunk.stopped:
                     chunk = _join(chunk, text.finish())
                 streamed += len(chunk.token_ids)
@@ -239,16 +250,15 @@ class RequestFlow:
                 if reason is not None:
                     self._metrics.finished.labels(reason).inc()
                     return
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.ABORTED:
-                decode.health.call_failed(exc.code(), exc.details() or "")
-            raise _AttemptFailed(exc.code(), where, exc.details() or "", streamed) from None
-        except _AttemptFailed as exc:
-            exc.streamed = streamed
-            raise
         finally:
             decode.outstanding -= 1
-            call.cancel()
+            muxed.close()
+
+    def _mux(self, decode: DecodeBackend) -> DecodeMux:
+        mux = self._muxes.get(decode)
+        if mux is None:
+            mux = self._muxes[decode] = DecodeMux(decode.stub, decode.health)
+        return mux
 
     def _release_later(self, parked: _Parked) -> None:
         stub, handle = parked.prefill.stub, parked.handle
@@ -268,6 +278,7 @@ class RequestFlow:
         task.add_done_callback(self._background.discard)
 
     async def close(self) -> None:
+        await asyncio.gather(*(mux.close() for mux in self._muxes.values()))
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
 

@@ -76,7 +76,13 @@ class DrainGate(grpc.aio.ServerInterceptor):
                 handler.request_deserializer,
                 handler.response_serializer,
             )
-        raise ValueError(f"{method}: only unary requests can be drained")
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._stream(method, handler.stream_stream),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        raise ValueError(f"{method}: client-streaming calls cannot be drained")
 
     async def _refuse(self, method: str, context: Any) -> None:
         await context.abort(
@@ -96,6 +102,8 @@ class DrainGate(grpc.aio.ServerInterceptor):
         return call
 
     def _stream(self, method: str, behavior: Callable[[Any, Any], AsyncGenerator[Any, None]]) -> Any:
+        """Server-streaming calls, whether they take one request or a stream of them."""
+
         async def call(request: Any, context: Any) -> AsyncIterator[Any]:
             if self._closed:
                 await self._refuse(method, context)

@@ -7,7 +7,8 @@ server carries these routers instead:
   decode pulls from it directly);
 - ReleaseKv goes to every rank (the one holding the handle releases it);
 - Decode goes to the rank with the fewest streams in flight, or, when a decode takes the KV in
-  memory (colocated), to the rank named in the handle.
+  memory (colocated), to the rank named in the handle; each request of a DecodeMany call goes to
+  its rank the same way, and its answers come back as that call's updates.
 Status codes and messages of a rank's answer reach the caller unchanged.
 """
 
@@ -21,7 +22,8 @@ from typing import Any
 import grpc
 
 from pdserve.grpc_server import MESSAGE_SIZE_OPTIONS
-from pdserve.rpc_errors import abort
+from pdserve.rpc_errors import RpcError, abort
+from pdserve.update_stream import UpdateStream, serve_many
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 
@@ -84,16 +86,10 @@ class DecodeRouter(decode_pb2_grpc.DecodeServicer):
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: Any
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        if self._by_handle_rank:
-            rank = request.kv_handle.rank
-            if rank >= len(self._stubs):
-                await abort(
-                    context,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"kv_handle.rank {rank} is not a rank of this service ({len(self._stubs)} ranks)",
-                )
-        else:
-            rank = self._ranks.least_loaded()
+        try:
+            rank = self._rank_for(request)
+        except RpcError as exc:
+            await abort(context, exc.code, exc.message)
         self._ranks.in_flight[rank] += 1
         call = self._stubs[rank].Decode(request, timeout=context.time_remaining())
         try:
@@ -105,3 +101,34 @@ class DecodeRouter(decode_pb2_grpc.DecodeServicer):
             self._ranks.in_flight[rank] -= 1
             with contextlib.suppress(Exception):
                 call.cancel()
+
+    async def DecodeMany(
+        self, request_iterator: AsyncIterator[decode_pb2.DecodeManyRequest], context: Any
+    ) -> AsyncIterator[decode_pb2.DecodeManyResponse]:
+        async for response in serve_many(request_iterator, self._relay):
+            yield response
+
+    async def _relay(self, tag: int, request: decode_pb2.DecodeRequest, stream: UpdateStream) -> None:
+        rank = self._rank_for(request)
+        self._ranks.in_flight[rank] += 1
+        call = self._stubs[rank].Decode(request)
+        try:
+            async for response in call:
+                stream.post(tag, response.token_ids, response.finish_reason)
+        except grpc.aio.AioRpcError as exc:
+            raise RpcError(exc.code(), exc.details() or "") from None
+        finally:
+            self._ranks.in_flight[rank] -= 1
+            with contextlib.suppress(Exception):
+                call.cancel()
+
+    def _rank_for(self, request: decode_pb2.DecodeRequest) -> int:
+        if not self._by_handle_rank:
+            return self._ranks.least_loaded()
+        rank = request.kv_handle.rank
+        if rank >= len(self._stubs):
+            raise RpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"kv_handle.rank {rank} is not a rank of this service ({len(self._stubs)} ranks)",
+            )
+        return rank

@@ -27,3 +27,33 @@ class DecodeResponse(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class DecodeManyRequest(_message.Message):
+    __slots__ = ("tag", "start", "cancel")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    start: DecodeRequest
+    cancel: bool
+    def __init__(self, tag: _Optional[int] = ..., start: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class DecodeUpdate(_message.Message):
+    __slots__ = ("tag", "token_ids", "finish_reason", "error_code", "error_message")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    error_code: int
+    error_message: str
+    def __init__(self, tag: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class DecodeManyResponse(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[DecodeUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[DecodeUpdate, _Mapping]]] = ...) -> None: ...

@@ -40,6 +40,11 @@ class DecodeStub:
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeMany = channel.stream_stream(
+                '/pdserve.v1.Decode/DecodeMany',
+                request_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeManyRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeManyResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -53,6 +58,18 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeMany(self, request_iterator, context):
+        """Many requests over one call. The caller starts and cancels requests, each under a tag of its
+        choice (unique among this call's requests); each response carries the news of every request
+        of the call since the previous response (one message per decode step, not one per token per
+        request). A request's updates mean what Decode's messages mean; one that fails carries the
+        status its Decode call would have ended with. The call ends once the caller has closed its
+        side and every request it started has ended or been cancelled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +77,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeMany,
+                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeManyRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeManyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +112,33 @@ class Decode:
             '/pdserve.v1.Decode/Decode',
             pdserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Decode/DecodeMany',
+            pdserve_dot_v1_dot_decode__pb2.DecodeManyRequest.SerializeToString,
+            pdserve_dot_v1_dot_decode__pb2.DecodeManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
