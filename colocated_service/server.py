@@ -35,6 +35,10 @@ class ColocatedParts:
     prefill: PrefillParts
     decode: DecodeParts
 
+    def warm_up(self) -> None:
+        self.prefill.warm_up()
+        self.decode.warm_up()
+
     async def close(self) -> None:
         await self.decode.close()
         self.prefill.close()
@@ -73,6 +77,7 @@ def _build_rank(
         close=parts.close,
         ready={"kv_rendezvous": parts.prefill.kv_rendezvous},
         background=[parts.prefill.run_expiry],
+        warm_up=parts.warm_up,
     )
 
 

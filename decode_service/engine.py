@@ -11,6 +11,11 @@ Lifecycle of a request here:
    position, attends to its own context through the step cache, and samples at its own step;
 5. each new token is handed to the servicer's stream at once; a request leaves the running set
    (and frees its blocks) the step it finishes, or the step after it is cancelled.
+
+``warm_up`` (``--compile``, before the service is ready) runs real steps, on the engine thread, of
+dummy sequences of zero KV: one row, then rows of different lengths, a few steps each, so that
+every shape class of a step is compiled. Their blocks are freed when they end, and their steps
+are not counted in the step and token metrics.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from decode_service.step_cache import BatchContext, StepCache, StepLayer
 from pdserve.engine_model import EngineModel
 from pdserve.finish import finish_reason
 from pdserve.sampling import SamplingParams, sample
+from pdserve.warm_up import WarmUp
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +47,9 @@ logger = logging.getLogger(__name__)
 EmitFn = Callable[[list[int], str | None, BaseException | None], None]
 # One sequence's news of a step: (sequence, new token ids, finish reason, error).
 _Emission = tuple["DecodeSequence", list[int], str | None, BaseException | None]
+# The prompt lengths of the sequences of each warm-up batch, and how many steps each batch runs.
+WARM_UP_BATCHES: tuple[tuple[int, ...], ...] = ((7,), (9, 4), (6, 13, 3))
+WARM_UP_STEPS = 3
 
 
 @dataclass
@@ -82,8 +91,9 @@ class DecodeEngine:
         self._pool = pool
         self._context = BatchContext(pool)
         self._serials = itertools.count()
-        self._inbox: queue.SimpleQueue[DecodeSequence | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[DecodeSequence | WarmUp | None] = queue.SimpleQueue()
         self._waiting: collections.deque[DecodeSequence] = collections.deque()
+        self._warm_ups: collections.deque[WarmUp] = collections.deque()
         self._running: list[DecodeSequence] = []
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
@@ -99,6 +109,17 @@ class DecodeEngine:
         self._stopped.set()
         self._inbox.put(None)
         self._thread.join(timeout=30)
+
+    def warm_up(self) -> float:
+        """Runs the steps of ``WARM_UP_BATCHES`` on the engine thread (after ``start``); blocks until
+        done and returns its duration in seconds. The pool is as it was before, once it returns."""
+        request = WarmUp()
+        self._inbox.put(request)
+        seconds = request.wait()
+        logger.info(
+            "decode warm-up: %s batches of %s steps in %.2f s", len(WARM_UP_BATCHES), WARM_UP_STEPS, seconds
+        )
+        return seconds
 
     @property
     def num_running(self) -> int:
@@ -118,6 +139,8 @@ class DecodeEngine:
             torch.cuda.set_device(self._m.device)
         while not self._stopped.is_set():
             self._receive(block=not self._running and not self._waiting)
+            while self._warm_ups:
+                self._warm_ups.popleft().run(self._warm_up)
             self._admit()
             self._drop_cancelled()
             if not self._running:
@@ -132,8 +155,11 @@ class DecodeEngine:
                 for seq in self._running:
                     self._finish(seq, None, exc)
                 self._running.clear()
+        self._receive(block=False)
         for seq in [*self._running, *self._waiting]:
             _deliver([(seq, [], None, RuntimeError("decode engine stopped"))])
+        for request in self._warm_ups:
+            request.abandon("the decode engine stopped")
 
     def _receive(self, block: bool) -> None:
         try:
@@ -141,7 +167,10 @@ class DecodeEngine:
         except queue.Empty:
             return
         while item is not None:
-            self._waiting.append(item)
+            if isinstance(item, WarmUp):
+                self._warm_ups.append(item)
+            else:
+                self._waiting.append(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -166,13 +195,61 @@ class DecodeEngine:
             seq.kv = ()
             self._running.append(seq)
 
+    def _warm_up(self) -> None:
+        running = self._running
+        try:
+            for lengths in WARM_UP_BATCHES:
+                rows = [self._warm_up_sequence(i, n) for i, n in enumerate(lengths)]
+                needed = sum(self._pool.blocks_for(seq.max_cached_tokens()) for seq in rows)
+                if needed > self._pool.num_free_blocks:
+                    logger.warning(
+                        "decode warm-up skips %s rows: they need %s KV blocks, %s are free",
+                        len(rows),
+                        needed,
+                        self._pool.num_free_blocks,
+                    )
+                    continue
+                for seq in rows:
+                    seq.blocks = self._pool.allocate(seq.max_cached_tokens())
+                    seq.num_cached = self._pool.write(seq.blocks, seq.kv)
+                    seq.kv = ()
+                self._running = rows
+                while self._running:  # every row ends (and frees its blocks) at its last step
+                    self._step(counted=False)
+        finally:
+            for seq in self._running:
+                self._pool.free(seq.blocks)
+                seq.blocks = []
+            self._running = running
+            self._context.clear()
+
+    def _warm_up_sequence(self, row: int, num_tokens: int) -> DecodeSequence:
+        """A greedy sequence of ``num_tokens`` zero KV positions that ends after ``WARM_UP_STEPS``."""
+        layout = self._m.kv_layout
+        device = self._m.device
+        kv = [
+            (
+                torch.zeros((key_heads, num_tokens, key_width), dtype=layout.dtype, device=device),
+                torch.zeros((value_heads, num_tokens, value_width), dtype=layout.dtype, device=device),
+            )
+            for (key_heads, key_width), (value_heads, value_width) in zip(
+                layout.keys, layout.values, strict=True
+            )
+        ]
+        params = SamplingParams(max_tokens=WARM_UP_STEPS + 1, temperature=0.0, ignore_eos=True)
+        seq = DecodeSequence(f"warm-up-{row}", kv, row % self._m.limits.vocab_size, params, _ignore)
+        seq.last_token_id = seq.first_token_id
+        seq.serial = next(self._serials)
+        return seq
+
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self._running if s.cancelled.is_set()]:
             self._running.remove(seq)
             self._pool.free(seq.blocks)
             seq.blocks = []
 
-    def _step(self) -> None:
+    def _step(self, counted: bool = True) -> None:
+        """One forward of the running rows; ``counted``: in the step and token metrics."""
         rows = self._running
         device = self._m.device
         pool = self._pool
@@ -214,8 +291,9 @@ class DecodeEngine:
         )
         logits = out.logits[:, -1]
         tokens = self._sample(logits, rows)
-        self._metrics.steps.inc()
-        self._metrics.generated_tokens.inc(len(rows))
+        if counted:
+            self._metrics.steps.inc()
+            self._metrics.generated_tokens.inc(len(rows))
         finished = []
         emissions: list[_Emission] = []
         for seq, token in zip(rows, tokens, strict=True):
@@ -243,6 +321,10 @@ class DecodeEngine:
         self._pool.free(seq.blocks)
         seq.blocks = []
         _deliver([(seq, [], reason, error)])
+
+
+def _ignore(tokens: list[int], reason: str | None, error: BaseException | None) -> None:
+    return None
 
 
 def _deliver(emissions: Sequence[_Emission]) -> None:

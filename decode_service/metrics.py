@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdserve.compile_metrics import CompiledFrames
+
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -57,4 +59,10 @@ class DecodeMetrics:
         )
         self.kv_refused = Counter(
             "pdserve_kv_refused", "KV handles refused as incompatible", registry=registry
+        )
+        self.compiles = CompiledFrames("pdserve_decode_compiles", registry)
+        self.warmup_seconds = Gauge(
+            "pdserve_decode_warmup_seconds",
+            "Duration of the start-up warm-up of the compiled forwards (0: none ran)",
+            registry=registry,
         )

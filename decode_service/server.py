@@ -38,9 +38,15 @@ DECODE_WORK = [f"/{SERVICE_NAME}/Decode", f"/{SERVICE_NAME}/DecodeMany"]
 class DecodeParts:
     """Everything of a decode but its gRPC server: built once, served alone or colocated."""
 
+    engine_model: EngineModel
     metrics: DecodeMetrics
     engine: DecodeEngine
     kv_source: KvSource
+
+    def warm_up(self) -> None:
+        """Compiled forwards (``--compile``): runs steps of dummy sequences; nothing otherwise."""
+        if self.engine_model.compiled:
+            self.metrics.warmup_seconds.set(self.engine.warm_up())
 
     async def close(self) -> None:
         await asyncio.to_thread(self.engine.stop)
@@ -78,7 +84,7 @@ def build_decode(
     engine = DecodeEngine(engine_model, metrics, config.max_running, pool)
     engine.start()
     decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(engine, source, metrics), server.server)
-    return DecodeParts(metrics, engine, source)
+    return DecodeParts(engine_model, metrics, engine, source)
 
 
 def _build_rank(
@@ -89,6 +95,7 @@ def _build_rank(
         metrics=[("metrics", parts.metrics.registry, config.server.metrics_port)],
         busy=lambda: 0,
         close=parts.close,
+        warm_up=parts.warm_up,
     )
 
 

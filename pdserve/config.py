@@ -49,7 +49,9 @@ class EngineConfig:
     )
     compile: bool = field(
         default=False,
-        metadata={"help": "run the engine's forwards through torch.compile (inductor, dynamic shapes)"},
+        metadata={
+            "help": "torch.compile the engine's forwards (inductor, dynamic shapes; warmed up at start-up)"
+        },
     )
     ep: int = field(
         default=1,

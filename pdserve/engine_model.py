@@ -44,6 +44,11 @@ class EngineModel:
     # The module the engines' forwards call: ``model`` itself, or ``model`` compiled (``--compile``).
     forward_module: Any = None
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the forwards run compiled (``--compile``): the engines warm them up before serving."""
+        return self.forward_module is not None
+
     def forward(self, **inputs: Any) -> Any:
         """The model's forward on ``inputs``, run the way this engine runs forwards."""
         module = self.model if self.forward_module is None else self.forward_module

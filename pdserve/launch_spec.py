@@ -63,7 +63,7 @@ class UpConfig:
     decode_ep: int = field(default=1, metadata={"help": "expert-parallel ranks (processes) of each decode"})
     compile: bool = field(
         default=False,
-        metadata={"help": "engines run their forwards through torch.compile (first shapes compile)"},
+        metadata={"help": "engines run their forwards through torch.compile (compiled at start-up)"},
     )
     max_restarts: int = field(
         default=5, metadata={"help": "give up when one child dies more often than this within the window"}

@@ -29,6 +29,8 @@ class RankParts:
     close: Callable[[], Awaitable[None]]
     ready: dict[str, str] = field(default_factory=dict)
     background: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
+    # Blocking; run before the service is ready: warms up compiled forwards (``--compile``).
+    warm_up: Callable[[], None] = lambda: None
 
     def serve_metrics(self, bind_host: str) -> dict[str, MetricsServer]:
         """One metrics server per registry, keyed by its ready-line key."""

@@ -1,8 +1,9 @@
 """Runs a prefill, decode or colocated service: one process, or an expert-parallel group (``--ep``).
 
-One process: load the model, build the service's parts on one gRPC server, serve the metrics,
-announce the ready line -> on SIGTERM/SIGINT drain (NOT_SERVING, new work refused, work in flight
-and what the service still holds given ``--grace-s``), stop the background tasks, close the parts.
+One process: load the model, build the service's parts on one gRPC server, serve the metrics, warm
+up the compiled forwards (``--compile``), start the gRPC server, announce the ready line -> on
+SIGTERM/SIGINT drain (NOT_SERVING, new work refused, work in flight and what the service still
+holds given ``--grace-s``), stop the background tasks, close the parts.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ async def serve_service(kind: ServiceKind, config: Any) -> None:
     server = kind.server(server_config, server_config.port)
     parts = kind.build(config, engine_model, server, 0)
     metrics_servers = parts.serve_metrics(server_config.host)
+    await asyncio.to_thread(parts.warm_up)
     await server.start()
     tasks = [asyncio.create_task(run()) for run in parts.background]
     announce_ready(

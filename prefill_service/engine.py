@@ -10,6 +10,9 @@ Lifecycle of a request here:
    nothing; otherwise its prompt's KV is packed into one buffer on the transfer device, ready to
    be parked under a handle;
 5. every request of the batch gets its result the moment that forward ends.
+
+``warm_up`` (``--compile``, before the service is ready) runs this same forward on dummy prompts,
+alone and batched with padding, on the engine thread; its results are dropped and nothing is kept.
 """
 
 from __future__ import annotations
@@ -29,8 +32,14 @@ from pdserve.engine_model import EngineModel
 from pdserve.finish import STOP, finish_reason
 from pdserve.kv_layout import pack
 from pdserve.sampling import SamplingParams, sample
+from pdserve.warm_up import WarmUp
 
 logger = logging.getLogger(__name__)
+
+# The prompt lengths of each warm-up forward: one prompt, then padded batches, so that every shape
+# class a request can bring is compiled once, with its sizes dynamic (a size of 1 is a class of its
+# own: one-token prompts).
+WARM_UP_BATCHES: tuple[tuple[int, ...], ...] = ((7,), (12,), (1,), (9, 5), (6, 14, 3), (1, 1))
 
 
 @dataclass(frozen=True)
@@ -58,8 +67,8 @@ class PrefillEngine:
         self._m = engine_model
         self._transfer_device = transfer_device
         self._max_batch_tokens = max_batch_tokens
-        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
-        self._held: _Pending | None = None
+        self._queue: queue.SimpleQueue[_Pending | WarmUp | None] = queue.SimpleQueue()
+        self._held: _Pending | WarmUp | None = None
         self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
         self._thread.start()
 
@@ -69,9 +78,22 @@ class PrefillEngine:
         self._queue.put(_Pending(list(prompt_token_ids), params, loop, future))
         return await future
 
+    def warm_up(self) -> float:
+        """Runs the prefill forward on the dummy prompts of ``WARM_UP_BATCHES`` on the engine thread,
+        as requests run; blocks until done and returns its duration in seconds."""
+        request = WarmUp()
+        self._queue.put(request)
+        seconds = request.wait()
+        logger.info("prefill warm-up: %s forwards in %.2f s", len(WARM_UP_BATCHES), seconds)
+        return seconds
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, WarmUp):
+                item.abandon("the prefill engine is closed")
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
@@ -81,11 +103,14 @@ class PrefillEngine:
             batch = self._next_batch()
             if batch is None:
                 return
+            if isinstance(batch, WarmUp):
+                batch.run(self._warm_up)
+                continue
             batch = [p for p in batch if not p.future.cancelled()]
             if not batch:
                 continue
             try:
-                results = self._prefill(batch)
+                results = self._prefill([p.prompt_token_ids for p in batch], [p.params for p in batch])
             except Exception as exc:
                 logger.exception("prefill forward of %d requests failed", len(batch))
                 for p in batch:
@@ -94,11 +119,11 @@ class PrefillEngine:
             for p, result in zip(batch, results, strict=True):
                 p.loop.call_soon_threadsafe(_set_result, p.future, result)
 
-    def _next_batch(self) -> list[_Pending] | None:
+    def _next_batch(self) -> list[_Pending] | WarmUp | None:
         first = self._held or self._queue.get()
         self._held = None
-        if first is None:
-            return None
+        if first is None or isinstance(first, WarmUp):
+            return first
         batch = [first]
         longest = len(first.prompt_token_ids)
         while True:
@@ -109,6 +134,9 @@ class PrefillEngine:
             if item is None:
                 self._queue.put(None)
                 return batch
+            if isinstance(item, WarmUp):
+                self._held = item
+                return batch
             longest_if_added = max(longest, len(item.prompt_token_ids))
             if longest_if_added * (len(batch) + 1) > self._max_batch_tokens:
                 self._held = item
@@ -116,19 +144,28 @@ class PrefillEngine:
             batch.append(item)
             longest = longest_if_added
 
-    def _prefill(self, batch: list[_Pending]) -> list[PrefillResult]:
+    def _warm_up(self) -> None:
+        vocab_size = self._m.limits.vocab_size
+        params = SamplingParams(max_tokens=1, temperature=0.0)  # complete at the first token: no KV packed
+        for lengths in WARM_UP_BATCHES:
+            prompts = [[(row + i) % vocab_size for i in range(n)] for row, n in enumerate(lengths)]
+            self._prefill(prompts, [params] * len(prompts))
+
+    def _prefill(
+        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+    ) -> list[PrefillResult]:
         m = self._m
         start = time.perf_counter()
-        lengths = [len(p.prompt_token_ids) for p in batch]
+        lengths = [len(p) for p in prompts]
         longest = max(lengths)
-        input_ids = torch.zeros((len(batch), longest), dtype=torch.long)
-        mask = torch.zeros((len(batch), longest), dtype=torch.long)
-        for row, p in enumerate(batch):
-            input_ids[row, longest - lengths[row] :] = torch.tensor(p.prompt_token_ids)
+        input_ids = torch.zeros((len(prompts), longest), dtype=torch.long)
+        mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, longest - lengths[row] :] = torch.tensor(prompt)
             mask[row, longest - lengths[row] :] = 1
         cache = DynamicCache(config=m.model.config)
         kwargs = {}
-        if len(batch) > 1:  # left padding: every row ends at the last position
+        if len(prompts) > 1:  # left padding: every row ends at the last position
             kwargs = {
                 "attention_mask": mask.to(m.device),
                 "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(m.device),
@@ -139,17 +176,17 @@ class PrefillEngine:
         logits = out.logits[:, -1]
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         results = []
-        for row, p in enumerate(batch):
-            token = sample(logits[row], p.params, step=0)
-            reason = finish_reason(token, 1, p.params, m.limits.eos_token_ids)
-            if reason is None and p.params.stop and self._hits_stop_string(token, p.params.stop):
+        for row, row_params in enumerate(params):
+            token = sample(logits[row], row_params, step=0)
+            reason = finish_reason(token, 1, row_params, m.limits.eos_token_ids)
+            if reason is None and row_params.stop and self._hits_stop_string(token, row_params.stop):
                 reason = STOP
             buffer = None
             if reason is None:
                 buffer = pack(
                     layers, m.kv_layout, row, longest - lengths[row], lengths[row], self._transfer_device
                 )
-            results.append(PrefillResult(token, reason, buffer, lengths[row], 0.0, len(batch)))
+            results.append(PrefillResult(token, reason, buffer, lengths[row], 0.0, len(prompts)))
         if m.device.type == "cuda":
             torch.cuda.synchronize(m.device)
         elapsed = time.perf_counter() - start

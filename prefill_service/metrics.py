@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdserve.compile_metrics import CompiledFrames
+
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -67,6 +69,12 @@ class PrefillMetrics:
         self.kv_pulls_stale = Counter(
             "pdserve_kv_pulls_stale_generation",
             "Pulls refused because they named a pair generation already torn down",
+            registry=registry,
+        )
+        self.compiles = CompiledFrames("pdserve_prefill_compiles", registry)
+        self.warmup_seconds = Gauge(
+            "pdserve_prefill_warmup_seconds",
+            "Duration of the start-up warm-up of the compiled forwards (0: none ran)",
             registry=registry,
         )
 

@@ -64,6 +64,11 @@ class PrefillParts:
     async def run_expiry(self) -> None:
         await expire_leases(self.registry, self.metrics)
 
+    def warm_up(self) -> None:
+        """Compiled forwards (``--compile``): runs them once on dummy prompts; nothing otherwise."""
+        if self.engine_model.compiled:
+            self.metrics.warmup_seconds.set(self.engine.warm_up())
+
     def close(self) -> None:
         self.sender.close()
         self.engine.close()
@@ -122,6 +127,7 @@ def _build_rank(
         close=close,
         ready={"kv_rendezvous": parts.kv_rendezvous},
         background=[parts.run_expiry],
+        warm_up=parts.warm_up,
     )
 
 

@@ -1,4 +1,5 @@
-"""``--compile``: the engines' forwards through torch.compile give the same greedy tokens."""
+"""``--compile``: the engines' forwards through torch.compile give the same greedy tokens, and
+every compilation happens in the start-up warm-up, before the services are ready."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import generate_many, make_request
-from tests.stack import Stack
+from tests.stack import Stack, scrape
 from tests.test_equivalence import divergence_report, reference_tokens
 
 MODEL = "tiny-llama"
@@ -19,16 +20,39 @@ MODEL = "tiny-llama"
 pytestmark = pytest.mark.timeout(600)
 
 
+def compiles(stack: Stack) -> dict[str, float]:
+    """Frames compiled so far by each prefill and decode process."""
+    counts = {}
+    for i, prefill in enumerate(stack.prefills):
+        counts[f"prefill{i}"] = scrape(prefill.metrics)["pdserve_prefill_compiles_total"]
+    for i, decode in enumerate(stack.decodes):
+        counts[f"decode{i}"] = scrape(decode.metrics)["pdserve_decode_compiles_total"]
+    return counts
+
+
 def test_compiled_engines_match_generate(cache_dir: Path, tmp_path: Path, reference_models: Any) -> None:
     model, _ = reference_models(MODEL)
     stack = Stack(MODEL, cache_dir, tmp_path, prefill_args=["--compile"], decode_args=["--compile"]).start()
     try:
+        prefill_metrics = scrape(stack.prefills[0].metrics)
+        decode_metrics = scrape(stack.decodes[0].metrics)
+        assert prefill_metrics["pdserve_prefill_warmup_seconds"] > 0
+        assert decode_metrics["pdserve_decode_warmup_seconds"] > 0
+        # The warm-up's steps are not counted as served work.
+        assert decode_metrics["pdserve_decode_steps_total"] == 0
+        assert decode_metrics["pdserve_decode_generated_tokens_total"] == 0
+        compiled_at_ready = compiles(stack)
+        assert all(count > 0 for count in compiled_at_ready.values()), compiled_at_ready
+
         generator = torch.Generator().manual_seed(7)
         prompts = [
-            torch.randint(3, model.config.vocab_size, (n,), generator=generator).tolist() for n in (3, 40, 17)
+            torch.randint(3, model.config.vocab_size, (n,), generator=generator).tolist()
+            for n in (3, 40, 17, 1)
         ]
-        max_tokens = [12, 20, 1]
-        for batch in ([0], [0, 1, 2]):  # one request alone, then several together (new shapes)
+        max_tokens = [12, 20, 1, 5]
+        # One request alone, then several together, then a one-token prompt: new shapes for the
+        # forwards, each compiled by the warm-up already.
+        for batch in ([0], [0, 1, 2], [3], [3, 0]):
             requests = [
                 make_request(
                     prompt_token_ids=prompts[i], max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True
@@ -39,6 +63,7 @@ def test_compiled_engines_match_generate(cache_dir: Path, tmp_path: Path, refere
             for i, result in zip(batch, results, strict=True):
                 ref = reference_tokens(model, prompts[i], max_tokens[i])
                 assert result.token_ids == ref, divergence_report(model, prompts[i], ref, result.token_ids)
+        assert compiles(stack) == compiled_at_ready
         assert_no_leaks(stack)
     finally:
         stack.stop()

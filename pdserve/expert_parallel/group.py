@@ -9,7 +9,9 @@ drains and stops the whole group. Start-up, on every rank:
 2. publish its addresses under ``rank/<r>`` in the store; rank 0 waits for every rank (watching
    that none exited), then publishes ``go``; the others wait for it;
 3. all ranks form the process group at once (gloo on CPU; gloo for CPU tensors and NCCL for CUDA
-   tensors on GPUs), so its bounded waits (``--ep-timeout-s``) never cover a model load.
+   tensors on GPUs), so its bounded waits (``--ep-timeout-s``) never cover a model load;
+4. every rank warms up its compiled forwards (``--compile``) and marks it under ``warm/<r>``;
+   rank 0 announces the group ready once every rank has.
 """
 
 from __future__ import annotations
@@ -101,6 +103,14 @@ class EpGroup:
     def wait_for_go(self) -> None:
         """Ranks other than 0: wait until every rank is up."""
         self._store.wait(["go"], timedelta(seconds=STARTUP_TIMEOUT_S))
+
+    def mark_warm(self) -> None:
+        """This rank has warmed up its compiled forwards (or had none to warm up)."""
+        self._store.set(f"warm/{self.rank}", "1")
+
+    def all_warm(self) -> bool:
+        """Rank 0: whether every rank has marked itself warm."""
+        return bool(self._store.check([f"warm/{r}" for r in range(self.size)]))
 
     def form(self, device: torch.device) -> None:
         """Forms the process group (every rank at once, after ``gather``/``wait_for_go``)."""

@@ -5,6 +5,11 @@ registry, puller...) and serves them on an internal gRPC server of its own; its 
 lockstep with the other ranks. Rank 0 also serves the public address: health, reflection and the
 routers that hand each call to a rank (``rank_router``). Its ready line lists every rank.
 
+With ``--compile`` every rank warms up its engines once the lockstep runs, before rank 0 announces
+ready (it waits for every rank's mark). Each warm-up forward is one of the rank's forwards at a
+tick of the group; a rank with none of its own at that tick runs the filler, so the ranks stay in
+step whatever each of them runs.
+
 Ends:
 - SIGTERM/SIGINT on rank 0: the public server drains (calls in flight, on any rank, finish), then
   the lockstep stops on every rank, and every process exits 0;
@@ -22,13 +27,14 @@ import os
 import signal
 from typing import Any
 
-from pdserve.engine_model import load_engine_model
+from pdserve.engine_model import ForwardUnavailable, load_engine_model
 from pdserve.expert_parallel.ep_metrics import register_ep_metrics
 from pdserve.expert_parallel.group import EpGroup
+from pdserve.expert_parallel.lockstep import Lockstep
 from pdserve.expert_parallel.rank_model import expert_parallel_model
 from pdserve.expert_parallel.rank_router import DecodeRouter, PrefillRouter, RankChannels
 from pdserve.grpc_server import ServiceServer, announce_ready
-from pdserve.service_kind import ServiceKind
+from pdserve.service_kind import RankParts, ServiceKind
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -56,6 +62,16 @@ async def serve_group(kind: ServiceKind, config: Any) -> None:
         await asyncio.to_thread(group.close)
     if failed:
         raise SystemExit(1)
+
+
+async def _warm_up(parts: RankParts, group: EpGroup, lockstep: Lockstep, stop: asyncio.Event) -> None:
+    """Warms up this rank's engines; rank 0 then waits until every rank has (or the group ended)."""
+    with contextlib.suppress(ForwardUnavailable):  # the group broke: the caller sees lockstep.ended
+        await asyncio.to_thread(parts.warm_up)
+        group.mark_warm()
+    if group.rank == 0:
+        while not group.all_warm() and not lockstep.ended.is_set() and not stop.is_set():
+            await asyncio.sleep(LOCKSTEP_POLL_S)
 
 
 async def _serve_rank(kind: ServiceKind, config: Any, group: EpGroup) -> bool:
@@ -100,6 +116,8 @@ async def _serve_rank(kind: ServiceKind, config: Any, group: EpGroup) -> bool:
         await asyncio.to_thread(group.form, rank_model.engine_model.device)
         lockstep.start()
         logger.info("expert-parallel rank %d of %d in step", group.rank, group.size)
+        if rank_model.engine_model.compiled:
+            await _warm_up(parts, group, lockstep, stop)
         if group.rank == 0:
             public = kind.server(server_config, server_config.port)
             ranks = RankChannels([i["grpc"] for i in infos])
