@@ -148,8 +148,11 @@ class DecodeEngine:
                 continue
             try:
                 started = time.perf_counter()
+                rows = len(self._running)
                 self._step()
-                self._metrics.step_seconds.observe(time.perf_counter() - started)
+                elapsed = time.perf_counter() - started
+                self._metrics.step_seconds.observe(elapsed)
+                self._metrics.row_step_seconds.inc(elapsed * rows)
             except Exception as exc:
                 logger.exception("decode step failed; failing its %d requests", len(self._running))
                 for seq in self._running:

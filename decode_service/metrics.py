@@ -32,6 +32,11 @@ class DecodeMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28),
             registry=registry,
         )
+        self.row_step_seconds = Counter(
+            "pdserve_decode_row_step_seconds",
+            "Step durations weighted by the rows they ran: over generated_tokens, the step time a token saw",
+            registry=registry,
+        )
         self.kv_pulls = Counter("pdserve_kv_pulls", "KV pulls completed", registry=registry)
         self.kv_pull_failures = Counter("pdserve_kv_pull_failures", "KV pulls that failed", registry=registry)
         self.kv_received_bytes = Counter(

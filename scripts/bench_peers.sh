@@ -2,14 +2,15 @@
 # Measures pdserve against its peers (shared/PEERS.md) on the reference workload, in one run:
 # vLLM's CPU build, `transformers serve` with continuous batching, and pdserve (disaggregated, and
 # colocated when `pdserve up` has --mode), one system at a time, each with one compute thread per
-# engine process. Everything the peers need (venvs, caches, the reference model, logs, results)
+# engine process. pdserve runs with --compile (vLLM compiles its model too); pdserve-eager is the
+# disaggregated stack without it. Everything the peers need (venvs, caches, the reference model, logs, results)
 # lives in a scratch folder outside the repo; servers bind 127.0.0.1.
 #
 #   scripts/bench_peers.sh                      # set up what is missing, measure all, print a table
 #   SYSTEMS="vllm pdserve" scripts/bench_peers.sh
 #
 # Settings (environment): PEERS_DIR (/tmp/pdserve-peers), SYSTEMS (vllm transformers pdserve
-# pdserve-colocated), NUM_PROMPTS (32), CONCURRENCY (32), INPUT_LEN (64), OUTPUT_LEN (64),
+# pdserve-colocated; also pdserve-eager), NUM_PROMPTS (32), CONCURRENCY (32), INPUT_LEN (64), OUTPUT_LEN (64),
 # VLLM_PORT (18000), TSERVE_PORT (18001), READY_TIMEOUT_S (300).
 # Results: $PEERS_DIR/results/RUN/SYSTEM.json (pdserve bench --json) and RUN/table.md.
 set -euo pipefail
@@ -148,10 +149,8 @@ measure_transformers() {
     return $status
 }
 
-measure_pdserve() {  # MODE
-    local name=pdserve
-    [[ $1 == disaggregated ]] || name=pdserve-$1
-    bench "$name" --launch "$MODEL_DIR" --mode "$1" --ignore-eos
+measure_pdserve() {  # NAME MODE COMPILE
+    PDSERVE_COMPILE=$3 bench "$1" --launch "$MODEL_DIR" --mode "$2" --ignore-eos
 }
 
 has_mode_flag() {  # argparse would take a bare --mode for --model: look for the flag itself
@@ -162,15 +161,16 @@ measure() {  # SYSTEM
     case $1 in
     vllm) measure_vllm ;;
     transformers) measure_transformers ;;
-    pdserve) measure_pdserve disaggregated ;;
-    pdserve-colocated) measure_pdserve colocated ;;
+    pdserve) measure_pdserve pdserve disaggregated true ;;
+    pdserve-colocated) measure_pdserve pdserve-colocated colocated true ;;
+    pdserve-eager) measure_pdserve pdserve-eager disaggregated false ;;
     esac
 }
 
 for system in $SYSTEMS; do
     case $system in
-    vllm | transformers | pdserve | pdserve-colocated) ;;
-    *) log "unknown system $system (known: vllm transformers pdserve pdserve-colocated)" && exit 2 ;;
+    vllm | transformers | pdserve | pdserve-colocated | pdserve-eager) ;;
+    *) log "unknown system $system (known: vllm transformers pdserve pdserve-colocated pdserve-eager)" && exit 2 ;;
     esac
 done
 

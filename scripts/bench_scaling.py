@@ -1,12 +1,15 @@
 """Output tok/s of one pdserve stack at several concurrencies, and the per-token streaming overhead.
 
-    .venv/bin/python scripts/bench_scaling.py MODEL_DIR [--mode disaggregated] [--concurrency 1,8,32,64]
+    .venv/bin/python scripts/bench_scaling.py MODEL_DIR [--mode disaggregated] [--concurrency 1,8,32,64] [--compile]
 
 Starts `pdserve up` once (HTTP front on), runs `pdserve bench` (64 prompt + 64 output tokens,
-greedy, EOS ignored) at each concurrency, and reads the decode's own step time from its metrics.
-The streaming overhead is what the client's TPOT adds to the decode's mean step time: everything
+greedy, EOS ignored) at each concurrency, and reads the decode's own step time from its metrics:
+the duration of the steps weighted by their rows, i.e. the mean step time a generated token saw.
+The streaming overhead is what the client's TPOT adds to that step time: everything
 between the engine sampling a token and the client receiving it (decode servicer, gRPC, gateway,
-detokenization, HTTP).
+detokenization, HTTP), and the time a request waits between its first token and its first decode
+step (KV pull, admission). The steady-state figure compares the client's median inter-token
+latency with the same step time instead.
 """
 
 from __future__ import annotations
@@ -37,10 +40,23 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--compile", action="store_true", help="pdserve up --compile")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     up = subprocess.Popen(
-        [*PDSERVE, "up", "--model", args.model, "--mode", args.mode, "--port", "0", "--http-port", "0"],
+        [
+            *PDSERVE,
+            "up",
+            "--model",
+            args.model,
+            "--mode",
+            args.mode,
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            *(["--compile"] if args.compile else []),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -82,14 +98,18 @@ def main() -> None:
             )
             after = scrape(decode_metrics)
             result = json.loads(done.stdout)
-            steps = after["pdserve_decode_step_seconds_count"] - before["pdserve_decode_step_seconds_count"]
-            step_ms = (
-                1000
-                * (after["pdserve_decode_step_seconds_sum"] - before["pdserve_decode_step_seconds_sum"])
-                / steps
+            tokens = (
+                after["pdserve_decode_generated_tokens_total"]
+                - before["pdserve_decode_generated_tokens_total"]
             )
+            row_seconds = (
+                after["pdserve_decode_row_step_seconds_total"]
+                - before["pdserve_decode_row_step_seconds_total"]
+            )
+            step_ms = 1000 * row_seconds / tokens  # the step time a generated token saw
             metrics = result
             tpot = metrics["tpot_ms"]["mean"]
+            itl = metrics["itl_ms"]["p50"]
             rows.append(
                 {
                     "concurrency": concurrency,
@@ -98,6 +118,8 @@ def main() -> None:
                     "tpot_mean_ms": round(tpot, 2),
                     "decode_step_ms": round(step_ms, 2),
                     "streaming_overhead_pct": round(100 * (tpot - step_ms) / tpot, 1),
+                    "itl_p50_ms": round(itl, 2),
+                    "steady_overhead_pct": round(100 * (itl - step_ms) / itl, 1),
                 }
             )
             print(json.dumps(rows[-1]), flush=True)

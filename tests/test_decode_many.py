@@ -188,4 +188,9 @@ def test_gateway_requests_share_one_call_per_decode(stack_pool: StackPool, refer
         assert result.token_ids == reference_tokens(model, prompt, 30)
     messages = after["pdserve_decode_update_messages_total"] - before["pdserve_decode_update_messages_total"]
     assert 0 < messages <= 8 * 29 / 3, f"{messages} update messages for {8 * 29} tokens"
+    steps = after["pdserve_decode_step_seconds_sum"] - before["pdserve_decode_step_seconds_sum"]
+    row_steps = (
+        after["pdserve_decode_row_step_seconds_total"] - before["pdserve_decode_row_step_seconds_total"]
+    )
+    assert steps > 0 and row_steps > 1.5 * steps, "steps of several rows weigh more per row"
     assert_no_leaks(stack)
