@@ -5,7 +5,10 @@ Lifecycle of a pull:
    moves; a mismatch is FAILED_PRECONDITION;
 2. under the pair's lock: call PullKv on the prefill (NOT_FOUND when the handle is unknown or
    expired) and post the receive on the pair's channel. Lock plus shielding keep the order of
-   receives equal to the order of the prefill's sends even if the request is cancelled. A prefill
+   receives equal to the order of the prefill's sends even if the request is cancelled. Pulls that
+   queued on the pair while the lock was held go together: one PullKvMany, whose sends the prefill
+   posts in the order of its handles, and the receives posted in that order (a burst of requests
+   costs one round trip per lock holder, not one per request). A prefill
    that tore this pair's generation down answers ABORTED with the lowest generation it takes
    (before it touches the handle): the pair moves on to it and asks once more;
 3. wait (bounded) for the data. A PullKv that failed after the prefill may have posted its send
@@ -25,6 +28,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -82,6 +86,15 @@ class _Pair:
     generation: int = 0
     channel: PairChannel | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    queue: list[_Wanted] = field(default_factory=list)  # pulls waiting for the lock
+
+
+@dataclass(eq=False)
+class _Wanted:
+    """A pull waiting for its pair: the receive, once posted, and its buffer."""
+
+    handle: kv_pb2.KvHandle
+    posted: asyncio.Future[tuple[concurrent.futures.Future[None], torch.Tensor]]
 
 
 class KvPuller:
@@ -142,6 +155,9 @@ class KvPuller:
             future, buf = await asyncio.shield(posted)
             control_done = time.perf_counter()
             await asyncio.wrap_future(future)
+        except RpcError:
+            self._metrics.kv_pull_failures.inc()
+            raise
         except TransferError as exc:
             self._metrics.kv_pull_failures.inc()
             raise RpcError(
@@ -164,46 +180,102 @@ class KvPuller:
         return PulledKv(layers, control_done - started, data_done - control_done)
 
     async def _post(self, handle: kv_pb2.KvHandle) -> tuple[concurrent.futures.Future[None], torch.Tensor]:
-        """PullKv, then the receive posted into a new buffer (allocated while the call is out)."""
+        """The handle's pull call, then its receive posted into a new buffer. Pulls that queue on the
+        pair while another holds its lock go together in one PullKvMany, once the lock is free."""
         pair = self._pair(handle)
+        wanted = _Wanted(handle, asyncio.get_running_loop().create_future())
+        pair.queue.append(wanted)
         async with pair.lock:
-            response = None
-            buf = None
-            for attempt in range(2):
-                channel = await self._channel(pair, handle)
-                request = prefill_pb2.PullKvRequest(
-                    handle_id=handle.id, decode_instance_id=self._instance_id, pair_generation=pair.generation
-                )
-                try:
-                    call = pair.stub.PullKv(request, timeout=self._timeout.total_seconds())
-                    if buf is None:
-                        buf = await self._allocate_during(handle.num_bytes)
-                    response = await call
-                    break
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() not in _NOTHING_POSTED:
-                        self._break(pair, f"PullKv failed: {exc.code().name}")
-                        raise
-                    minimum = _min_generation(exc)
-                    if exc.code() != grpc.StatusCode.ABORTED or minimum is None or attempt > 0:
-                        raise
-                    logger.info(
-                        "prefill %s retired pair generation %d; moving to %d",
-                        handle.prefill_address,
-                        pair.generation,
-                        minimum,
+            if not wanted.posted.done():  # nobody took it along: take every pull queued by now
+                batch, pair.queue = pair.queue, []
+                await self._post_batch(pair, batch)
+        return wanted.posted.result()
+
+    async def _post_batch(self, pair: _Pair, batch: list[_Wanted]) -> None:
+        """One pull call for ``batch`` (under the pair's lock); each pull's outcome goes to its future."""
+        try:
+            channel, sizes, bufs = await self._pull_call(pair, [w.handle for w in batch])
+        except asyncio.CancelledError:
+            for w in batch:
+                w.posted.cancel()
+            raise
+        except Exception as exc:
+            for w in batch:
+                w.posted.set_exception(exc)
+            return
+        broken: TransferError | None = None
+        for w, size, buf in zip(batch, sizes, bufs, strict=True):
+            if broken is not None:  # the pair is closed: nothing after a bad size can be received
+                w.posted.set_exception(broken)
+            elif size == 0:
+                w.posted.set_exception(
+                    RpcError(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"PullKvMany on {pair.prefill_address}: KV handle is unknown, expired or already pulled",
                     )
-                    self._break(pair, "generation retired by the prefill")
-                    pair.generation = max(pair.generation, minimum - 1)
-            assert response is not None and buf is not None
-            if response.num_bytes != buf.numel():
+                )
+            elif size != buf.numel():
                 self._break(pair, "size mismatch")  # the prefill posted a send of another size
-                raise TransferError(f"prefill sends {response.num_bytes} bytes, expected {buf.numel()}")
-            future = channel.recv(buf)
-            with self._receiving_lock:
-                self._receiving += 1
-            future.add_done_callback(lambda f: self._received(channel, f))
-            return future, buf
+                broken = TransferError(f"prefill sends {size} bytes, expected {buf.numel()}")
+                w.posted.set_exception(broken)
+            else:
+                w.posted.set_result((self._receive(channel, buf), buf))
+
+    async def _pull_call(
+        self, pair: _Pair, handles: Sequence[kv_pb2.KvHandle]
+    ) -> tuple[PairChannel, list[int], list[torch.Tensor]]:
+        """PullKv for one handle, PullKvMany for several, on the pair's channel; the receive buffers
+        are allocated while the call is out. Returns the channel, what the prefill sends for each
+        handle (0: PullKvMany found nothing to send) and the buffers."""
+        bufs: list[torch.Tensor] = []
+        for attempt in range(2):
+            channel = await self._channel(pair, handles[0])
+            timeout = self._timeout.total_seconds()
+            try:
+                if len(handles) == 1:
+                    one = pair.stub.PullKv(
+                        prefill_pb2.PullKvRequest(
+                            handle_id=handles[0].id,
+                            decode_instance_id=self._instance_id,
+                            pair_generation=pair.generation,
+                        ),
+                        timeout=timeout,
+                    )
+                    bufs = bufs or [await self._allocate_during(handles[0].num_bytes)]
+                    return channel, [(await one).num_bytes], bufs
+                many = pair.stub.PullKvMany(
+                    prefill_pb2.PullKvManyRequest(
+                        handle_ids=[h.id for h in handles],
+                        decode_instance_id=self._instance_id,
+                        pair_generation=pair.generation,
+                    ),
+                    timeout=timeout,
+                )
+                bufs = bufs or [await self._allocate_during(h.num_bytes) for h in handles]
+                return channel, list((await many).num_bytes), bufs
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _NOTHING_POSTED:
+                    self._break(pair, f"PullKv failed: {exc.code().name}")
+                    raise
+                minimum = _min_generation(exc)
+                if exc.code() != grpc.StatusCode.ABORTED or minimum is None or attempt > 0:
+                    raise
+                logger.info(
+                    "prefill %s retired pair generation %d; moving to %d",
+                    pair.prefill_address,
+                    pair.generation,
+                    minimum,
+                )
+                self._break(pair, "generation retired by the prefill")
+                pair.generation = max(pair.generation, minimum - 1)
+        raise AssertionError("unreachable")
+
+    def _receive(self, channel: PairChannel, buf: torch.Tensor) -> concurrent.futures.Future[None]:
+        future = channel.recv(buf)
+        with self._receiving_lock:
+            self._receiving += 1
+        future.add_done_callback(lambda f: self._received(channel, f))
+        return future
 
     async def _allocate_during(self, num_bytes: int) -> torch.Tensor:
         """A receive buffer, allocated while the PullKv call just made is on its way."""

@@ -37,6 +37,11 @@ class PrefillMetrics:
         self.parked_bytes = Gauge("pdserve_kv_parked_bytes", "Bytes of parked KV", registry=registry)
         self.kv_parks = Counter("pdserve_kv_parks", "KV handles parked", registry=registry)
         self.kv_pulls = Counter("pdserve_kv_pulls", "KV pulls started by decodes", registry=registry)
+        self.kv_pull_calls = Counter(
+            "pdserve_kv_pull_calls",
+            "PullKv and PullKvMany calls past their checks (one PullKvMany serves several pulls)",
+            registry=registry,
+        )
         self.kv_pull_failures = Counter(
             "pdserve_kv_pull_failures", "KV sends that failed or timed out", registry=registry
         )

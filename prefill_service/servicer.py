@@ -1,12 +1,13 @@
 """gRPC servicer of pdserve.v1.Prefill: converts at the edge, delegates to engine, registry and sender.
 
-``KvHandoffServicer`` serves the handoff calls alone (PullKv, ReleaseKv); ``PrefillServicer`` adds
+``KvHandoffServicer`` serves the handoff calls alone (PullKv, PullKvMany, ReleaseKv); ``PrefillServicer`` adds
 the prompt forward. ``pdserve bench-kv`` runs the first one to time the real PullKv path.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -33,26 +34,60 @@ class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
         self._metrics = metrics
 
     async def PullKv(self, request: prefill_pb2.PullKvRequest, context: Any) -> prefill_pb2.PullKvResponse:
-        if len(request.handle_id) != HANDLE_ID_BYTES:
+        decode, generation = await self._check_pull(
+            context, [request.handle_id], request.decode_instance_id, request.pair_generation
+        )
+        self._metrics.kv_pull_calls.inc()
+        entry = self._registry.take(request.handle_id)
+        if entry is None:
+            self._metrics.kv_pulls_not_found.inc()
+            await abort(context, grpc.StatusCode.NOT_FOUND, "KV handle is unknown, expired or already pulled")
+        await self._send(context, entry, decode, generation)
+        return prefill_pb2.PullKvResponse(num_bytes=entry.num_bytes)
+
+    async def PullKvMany(
+        self, request: prefill_pb2.PullKvManyRequest, context: Any
+    ) -> prefill_pb2.PullKvManyResponse:
+        if not request.handle_ids:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "handle_ids is empty")
+        decode, generation = await self._check_pull(
+            context, request.handle_ids, request.decode_instance_id, request.pair_generation
+        )
+        self._metrics.kv_pull_calls.inc()
+        sizes = []
+        for handle_id in request.handle_ids:
+            entry = self._registry.take(handle_id)
+            if entry is None:
+                self._metrics.kv_pulls_not_found.inc()
+                sizes.append(0)
+                continue
+            await self._send(context, entry, decode, generation)
+            sizes.append(entry.num_bytes)
+        return prefill_pb2.PullKvManyResponse(num_bytes=sizes)
+
+    async def _check_pull(
+        self, context: Any, handle_ids: Sequence[bytes], decode: str, generation: int
+    ) -> tuple[str, int]:
+        """Validates a pull's fields and its pair generation, before any handle is taken."""
+        if any(len(handle_id) != HANDLE_ID_BYTES for handle_id in handle_ids):
             await abort(
                 context, grpc.StatusCode.INVALID_ARGUMENT, f"handle_id must be {HANDLE_ID_BYTES} bytes"
             )
-        if not request.decode_instance_id or request.pair_generation == 0:
+        if not decode or generation == 0:
             await abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "decode_instance_id and pair_generation must be set",
             )
-        decode, generation = request.decode_instance_id, request.pair_generation
         try:
             # Before the take: a refused pull leaves the handle parked for the retry.
             self._sender.check_generation(decode, generation)
         except StaleGeneration as exc:
             await self._abort_stale(context, exc)
-        entry = self._registry.take(request.handle_id)
-        if entry is None:
-            self._metrics.kv_pulls_not_found.inc()
-            await abort(context, grpc.StatusCode.NOT_FOUND, "KV handle is unknown, expired or already pulled")
+        return decode, generation
+
+    async def _send(self, context: Any, entry: ParkedKv, decode: str, generation: int) -> None:
+        """Posts the send of a taken KV on the pair; a failure ends the call (the KV is dropped)."""
         self._metrics.kv_pulls.inc()
         try:
             self._sender.send(entry, decode, generation)
@@ -62,7 +97,6 @@ class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
         except TransferError as exc:
             self._metrics.kv_pull_failures.inc()
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"KV send could not be posted: {exc}")
-        return prefill_pb2.PullKvResponse(num_bytes=entry.num_bytes)
 
     async def ReleaseKv(
         self, request: prefill_pb2.ReleaseKvRequest, context: Any

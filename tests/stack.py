@@ -137,6 +137,7 @@ class Stack:
         prefill_args: Sequence[str] = (),
         decode_args: Sequence[str] = (),
         gateway_args: Sequence[str] = (),
+        ready_timeout_s: float = READY_TIMEOUT_S,
     ) -> None:
         env = service_env(cache_dir)
         common = ["--model", model, "--host", "127.0.0.1"]
@@ -152,13 +153,14 @@ class Stack:
         self._gateway_args = [*common, "--port", "0", *gateway_args]
         self._env = env
         self._log_dir = log_dir
+        self._ready_timeout_s = ready_timeout_s
         self.gateway: ServiceProcess | None = None
 
     def start(self) -> Stack:
         for service in (*self.prefills, *self.decodes):
             service.start()
         for service in (*self.prefills, *self.decodes):
-            service.wait_ready()
+            service.wait_ready(self._ready_timeout_s)
         self.gateway = ServiceProcess(
             "gateway",
             [

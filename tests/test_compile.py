@@ -32,7 +32,15 @@ def compiles(stack: Stack) -> dict[str, float]:
 
 def test_compiled_engines_match_generate(cache_dir: Path, tmp_path: Path, reference_models: Any) -> None:
     model, _ = reference_models(MODEL)
-    stack = Stack(MODEL, cache_dir, tmp_path, prefill_args=["--compile"], decode_args=["--compile"]).start()
+    # With inductor's cache cold, the two warm-ups take over a minute on 2 cores.
+    stack = Stack(
+        MODEL,
+        cache_dir,
+        tmp_path,
+        prefill_args=["--compile"],
+        decode_args=["--compile"],
+        ready_timeout_s=420,
+    ).start()
     try:
         prefill_metrics = scrape(stack.prefills[0].metrics)
         decode_metrics = scrape(stack.decodes[0].metrics)

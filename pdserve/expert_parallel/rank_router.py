@@ -76,6 +76,15 @@ class PrefillRouter(prefill_pb2_grpc.PrefillServicer):
             "PullKv goes to the prefill_address of the KV handle (the rank holding the KV), not here",
         )
 
+    async def PullKvMany(
+        self, request: prefill_pb2.PullKvManyRequest, context: Any
+    ) -> prefill_pb2.PullKvManyResponse:
+        await abort(
+            context,
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "PullKvMany goes to the prefill_address of the KV handles (the rank holding the KV), not here",
+        )
+
 
 class DecodeRouter(decode_pb2_grpc.DecodeServicer):
     def __init__(self, ranks: RankChannels, by_handle_rank: bool) -> None:

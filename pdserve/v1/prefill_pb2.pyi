@@ -44,6 +44,22 @@ class PullKvResponse(_message.Message):
     num_bytes: int
     def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
 
+class PullKvManyRequest(_message.Message):
+    __slots__ = ("handle_ids", "decode_instance_id", "pair_generation")
+    HANDLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAIR_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    handle_ids: _containers.RepeatedScalarFieldContainer[bytes]
+    decode_instance_id: str
+    pair_generation: int
+    def __init__(self, handle_ids: _Optional[_Iterable[bytes]] = ..., decode_instance_id: _Optional[str] = ..., pair_generation: _Optional[int] = ...) -> None: ...
+
+class PullKvManyResponse(_message.Message):
+    __slots__ = ("num_bytes",)
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ReleaseKvRequest(_message.Message):
     __slots__ = ("handle_id",)
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class PrefillStub:
                 request_serializer=pdserve_dot_v1_dot_prefill__pb2.PullKvRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_prefill__pb2.PullKvResponse.FromString,
                 _registered_method=True)
+        self.PullKvMany = channel.unary_unary(
+                '/pdserve.v1.Prefill/PullKvMany',
+                request_serializer=pdserve_dot_v1_dot_prefill__pb2.PullKvManyRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_prefill__pb2.PullKvManyResponse.FromString,
+                _registered_method=True)
         self.ReleaseKv = channel.unary_unary(
                 '/pdserve.v1.Prefill/ReleaseKv',
                 request_serializer=pdserve_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
@@ -72,6 +77,14 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullKvMany(self, request, context):
+        """PullKv for several parked KVs of one decode in one round trip: the sends of the handles found
+        are posted in the order of handle_ids, and the decode posts its receives in that order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseKv(self, request, context):
         """Frees a parked KV that will not be pulled. Unknown handles are not an error.
         """
@@ -91,6 +104,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.PullKv,
                     request_deserializer=pdserve_dot_v1_dot_prefill__pb2.PullKvRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_prefill__pb2.PullKvResponse.SerializeToString,
+            ),
+            'PullKvMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullKvMany,
+                    request_deserializer=pdserve_dot_v1_dot_prefill__pb2.PullKvManyRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_prefill__pb2.PullKvManyResponse.SerializeToString,
             ),
             'ReleaseKv': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseKv,
@@ -153,6 +171,33 @@ class Prefill:
             '/pdserve.v1.Prefill/PullKv',
             pdserve_dot_v1_dot_prefill__pb2.PullKvRequest.SerializeToString,
             pdserve_dot_v1_dot_prefill__pb2.PullKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKvMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/PullKvMany',
+            pdserve_dot_v1_dot_prefill__pb2.PullKvManyRequest.SerializeToString,
+            pdserve_dot_v1_dot_prefill__pb2.PullKvManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
