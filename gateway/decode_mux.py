@@ -77,7 +77,6 @@ class DecodeMux:
         self._requests: dict[int, tuple[MuxedRequest, _Call]] = {}
         self._current: _Call | None = None
         self._calls: set[_Call] = set()  # open, or half-closed and still answering
-        self.calls_opened = 0
 
     def start(self, request: decode_pb2.DecodeRequest) -> MuxedRequest:
         call = self._current or self._open()
@@ -117,7 +116,6 @@ class DecodeMux:
         call.tasks = [loop.create_task(self._read(call)), loop.create_task(self._watch(call))]
         self._current = call
         self._calls.add(call)
-        self.calls_opened += 1
         return call
 
     async def _read(self, call: _Call) -> None:
