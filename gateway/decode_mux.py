@@ -37,9 +37,9 @@ class DecodeFailure(Exception):
 
 @dataclass(eq=False)
 class _Call:
-    outgoing: asyncio.Queue[decode_pb2.DecodeManyRequest | None] = field(default_factory=asyncio.Queue)
+    outgoing: asyncio.Queue[decode_pb2.DecodeManyRequest | None]
+    call: grpc.aio.StreamStreamCall
     tags: set[int] = field(default_factory=set)
-    call: grpc.aio.StreamStreamCall | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     half_closed: bool = False
 
@@ -105,13 +105,12 @@ class DecodeMux:
         self._current = None
         calls = list(self._calls)
         for call in calls:
-            if call.call is not None:
-                call.call.cancel()
+            call.call.cancel()
         await asyncio.gather(*(task for call in calls for task in call.tasks), return_exceptions=True)
 
     def _open(self) -> _Call:
-        call = _Call()
-        call.call = self._stub.DecodeMany(_drain(call.outgoing))
+        outgoing: asyncio.Queue[decode_pb2.DecodeManyRequest | None] = asyncio.Queue()
+        call = _Call(outgoing, self._stub.DecodeMany(_drain(outgoing)))
         loop = asyncio.get_running_loop()
         call.tasks = [loop.create_task(self._read(call)), loop.create_task(self._watch(call))]
         self._current = call
@@ -119,7 +118,6 @@ class DecodeMux:
         return call
 
     async def _read(self, call: _Call) -> None:
-        assert call.call is not None
         try:
             async for response in call.call:
                 for update in response.updates:
@@ -140,7 +138,6 @@ class DecodeMux:
                 task.cancel()
 
     async def _watch(self, call: _Call) -> None:
-        assert call.call is not None
         await self._health.down.wait()
         self._fail(
             call, DecodeFailure(grpc.StatusCode.UNAVAILABLE, f"backend is down ({self._health.reason})", True)

@@ -32,7 +32,7 @@ from pdserve.v1 import kv_pb2, prefill_pb2_grpc
 from prefill_service.kv_registry import KvRegistry
 from prefill_service.kv_sender import KvSender
 from prefill_service.metrics import PrefillMetrics
-from prefill_service.servicer import KV_HANDLE_VERSION, KvHandoffServicer
+from prefill_service.servicer import KvHandoffServicer, kv_handle
 
 
 async def run(config: BenchKvConfig, emit: Callable[[dict[str, Any]], None]) -> None:
@@ -52,7 +52,6 @@ async def run(config: BenchKvConfig, emit: Callable[[dict[str, Any]], None]) -> 
     port = server.add_insecure_port(f"{config.host}:0")
     await server.start()
     template = kv_pb2.KvHandle(
-        version=KV_HANDLE_VERSION,
         prefill_address=f"{config.host}:{port}",
         prefill_instance_id=instance_id,
         rendezvous_address=rendezvous,
@@ -135,13 +134,7 @@ async def _measure(
     received_kv = ""
     for i in range(config.repeat + 1):
         entry = registry.park(buf, num_tokens)
-        handle = kv_pb2.KvHandle()
-        handle.CopyFrom(template)
-        handle.id = entry.handle_id
-        handle.num_tokens = num_tokens
-        handle.num_bytes = entry.num_bytes
-        handle.expires_at_unix = entry.expires_at_unix
-        handle.tensors.extend(spec.to_proto() for spec in layout.tensor_specs(num_tokens))
+        handle = kv_handle(template, entry, layout)
         last = i == config.repeat
         sent_at = clock.now()
         timed = await handoff(handle, metadata=((DIGEST_METADATA, "1"),) if last else None)

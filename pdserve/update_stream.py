@@ -43,13 +43,6 @@ class UpdateStream:
         self._live.add(tag)
         return True
 
-    def is_live(self, tag: int) -> bool:
-        return tag in self._live
-
-    @property
-    def num_live(self) -> int:
-        return len(self._live)
-
     def post(
         self,
         tag: int,

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from pdserve.engine_model import EngineModel, ForwardUnavailable
+from pdserve.kv_layout import KvLayout
 from pdserve.kv_transport import MIN_GENERATION_METADATA, TransferError
 from pdserve.rpc_errors import RpcError, abort
 from pdserve.sampling_proto import sampling_from_proto
@@ -25,6 +26,20 @@ from prefill_service.metrics import PrefillMetrics
 logger = logging.getLogger(__name__)
 
 KV_HANDLE_VERSION = 1
+
+
+def kv_handle(template: kv_pb2.KvHandle, entry: ParkedKv, layout: KvLayout) -> kv_pb2.KvHandle:
+    """The handle of a parked KV: ``template`` (this prefill's addresses, backend and model)
+    completed with the entry's id, size, lease and tensor specs."""
+    handle = kv_pb2.KvHandle()
+    handle.CopyFrom(template)
+    handle.version = KV_HANDLE_VERSION
+    handle.id = entry.handle_id
+    handle.num_tokens = entry.num_tokens
+    handle.num_bytes = entry.num_bytes
+    handle.expires_at_unix = entry.expires_at_unix
+    handle.tensors.extend(spec.to_proto() for spec in layout.tensor_specs(entry.num_tokens))
+    return handle
 
 
 class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
@@ -156,16 +171,6 @@ class PrefillServicer(KvHandoffServicer):
         self._metrics.kv_parks.inc()
         logger.debug("request %s parked %d bytes", request.request_id, entry.num_bytes)
         return prefill_pb2.PrefillResponse(
-            first_token_id=result.first_token_id, kv_handle=self._handle(entry)
+            first_token_id=result.first_token_id,
+            kv_handle=kv_handle(self._handle_template, entry, self._m.kv_layout),
         )
-
-    def _handle(self, entry: ParkedKv) -> kv_pb2.KvHandle:
-        handle = kv_pb2.KvHandle()
-        handle.CopyFrom(self._handle_template)
-        handle.version = KV_HANDLE_VERSION
-        handle.id = entry.handle_id
-        handle.num_tokens = entry.num_tokens
-        handle.num_bytes = entry.num_bytes
-        handle.expires_at_unix = entry.expires_at_unix
-        handle.tensors.extend(spec.to_proto() for spec in self._m.kv_layout.tensor_specs(entry.num_tokens))
-        return handle

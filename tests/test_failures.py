@@ -37,7 +37,7 @@ from pdserve.v1 import (
 from prefill_service.kv_registry import KvRegistry
 from prefill_service.kv_sender import KvSender
 from prefill_service.metrics import PrefillMetrics
-from prefill_service.servicer import KvHandoffServicer
+from prefill_service.servicer import KvHandoffServicer, kv_handle
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import Stream, generate_many, make_request
 from tests.kv_peer import Peer
@@ -461,21 +461,18 @@ def test_a_decode_follows_the_prefill_to_a_newer_pair_generation() -> None:
             for i in (1, 2)
         ]
 
+        template = kv_pb2.KvHandle(
+            prefill_address=f"127.0.0.1:{port}",
+            prefill_instance_id="prefill-x",
+            rendezvous_address=f"127.0.0.1:{store.port}",
+            backend="gloo",
+            model_fingerprint="fp",
+        )
+
         async def round_trip(puller: KvPuller, num_tokens: int) -> None:
             layers = [(torch.randn(1, 2, num_tokens, 4), torch.randn(1, 2, num_tokens, 3)) for _ in range(2)]
             entry = registry.park(pack(layers, layout, 0, 0, num_tokens, CPU), num_tokens)
-            handle = kv_pb2.KvHandle(
-                id=entry.handle_id,
-                prefill_address=f"127.0.0.1:{port}",
-                prefill_instance_id="prefill-x",
-                rendezvous_address=f"127.0.0.1:{store.port}",
-                backend="gloo",
-                model_fingerprint="fp",
-                num_tokens=num_tokens,
-                num_bytes=entry.num_bytes,
-                tensors=[s.to_proto() for s in layout.tensor_specs(num_tokens)],
-            )
-            received = await puller.pull(handle)
+            received = await puller.pull(kv_handle(template, entry, layout))
             for (k, v), (rk, rv) in zip(layers, received, strict=True):
                 assert torch.equal(rk, k[0]) and torch.equal(rv, v[0])
 

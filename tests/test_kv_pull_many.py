@@ -26,7 +26,7 @@ from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 from prefill_service.kv_registry import KvRegistry
 from prefill_service.kv_sender import KvSender
 from prefill_service.metrics import PrefillMetrics
-from prefill_service.servicer import KvHandoffServicer
+from prefill_service.servicer import KvHandoffServicer, kv_handle
 
 CPU = torch.device("cpu")
 TIMEOUT = timedelta(seconds=10)
@@ -49,6 +49,13 @@ class Handoff:
         )
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
+        self.template = kv_pb2.KvHandle(
+            prefill_address=f"127.0.0.1:{self.port}",
+            prefill_instance_id="prefill-m",
+            rendezvous_address=f"127.0.0.1:{self.store.port}",
+            backend="gloo",
+            model_fingerprint="fp",
+        )
         self.decode_metrics = DecodeMetrics(CollectorRegistry())
         self.puller = KvPuller(
             "decode-m", "fp", LAYOUT, "gloo", CPU, "127.0.0.1", TIMEOUT, self.decode_metrics
@@ -61,17 +68,7 @@ class Handoff:
             for _ in range(len(LAYOUT.keys))
         ]
         entry = self.registry.park(pack(layers, LAYOUT, 0, 0, num_tokens, CPU), num_tokens)
-        handle = kv_pb2.KvHandle(
-            id=entry.handle_id,
-            prefill_address=f"127.0.0.1:{self.port}",
-            prefill_instance_id="prefill-m",
-            rendezvous_address=f"127.0.0.1:{self.store.port}",
-            backend="gloo",
-            model_fingerprint="fp",
-            num_tokens=num_tokens,
-            num_bytes=entry.num_bytes,
-            tensors=[s.to_proto() for s in LAYOUT.tensor_specs(num_tokens)],
-        )
+        handle = kv_handle(self.template, entry, LAYOUT)
         return handle, layers
 
     def unknown(self, like: kv_pb2.KvHandle) -> kv_pb2.KvHandle:
