@@ -253,12 +253,16 @@ class DecodeEngine:
 
     def _step(self, counted: bool = True) -> None:
         """One forward of the running rows; ``counted``: in the step and token metrics."""
-        rows = self._running
         device = self._m.device
         pool = self._pool
+        order = self._context.sync(
+            [s.serial for s in self._running],
+            [s.blocks for s in self._running],
+            [s.num_cached for s in self._running],
+        )
+        rows = self._running = [self._running[i] for i in order]
         lengths = torch.tensor([s.num_cached for s in rows], dtype=torch.long)
         length = int(lengths.max()) + 1
-        self._context.prepare(tuple(s.serial for s in rows), [s.blocks for s in rows], lengths)
         write = torch.tensor(
             [
                 s.blocks[s.num_cached // pool.block_size] * pool.block_size + s.num_cached % pool.block_size
@@ -275,8 +279,8 @@ class DecodeEngine:
                 StepLayer(
                     pool.keys[i],
                     pool.values[i],
-                    self._context.keys[i],
-                    self._context.values[i],
+                    self._context.keys[i][: len(rows)],
+                    self._context.values[i][: len(rows)],
                     write_d,
                     lengths_d,
                     length,
@@ -314,7 +318,7 @@ class DecodeEngine:
             seq.blocks = []
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[DecodeSequence]) -> list[int]:
-        greedy = logits.argmax(dim=-1).tolist()
+        greedy = logits.max(dim=-1).indices.tolist()  # the first maximum, as argmax; faster on CPU
         return [
             int(greedy[i]) if seq.params.is_greedy else sample(logits[i], seq.params, step=seq.num_generated)
             for i, seq in enumerate(rows)

@@ -1,11 +1,14 @@
 """The transformers Cache of one decode step over the paged pool.
 
 The pool (``kv_pool``) is the home of every request's KV. For the step's forward the running rows'
-keys and values are laid out as ``[batch, capacity, heads, width]`` (a batch context), gathered
-from the pool only when the set of running rows changes or outgrows the capacity; between such
-changes each step writes its new token into both the pool and the batch context, in place. A
-step's attention reads the first ``length`` positions, the longest live context: its cost follows
-the live context, not a fixed maximum. Shorter rows are masked by the step's attention mask.
+keys and values are also laid out as ``[rows, capacity, heads, width]`` (the batch context), one
+row per running request, kept across steps: each step writes its new token into both the pool and
+the batch context, in place. A request that joins takes a free row at the end and only its own KV
+is copied in (from its blocks); a request that leaves hands its row to the last row, whose KV is
+the only one to move. Every row is copied only when the context grows, which happens geometrically
+(rows doubled, positions by ``CAPACITY_STEP``). A step's attention reads the first ``length``
+positions of the live rows, the longest live context: its cost follows the live context, not a
+fixed maximum. Shorter rows are masked by the step's attention mask.
 """
 
 from __future__ import annotations
@@ -18,42 +21,91 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from decode_service.kv_pool import KvPool
 
-CAPACITY_STEP = 64  # the batch context grows by at least this many positions when rebuilt
+CAPACITY_STEP = 64  # the batch context grows by at least this many positions at a time
+MIN_ROWS = 8  # rows of a batch context when first allocated
 
 
 class BatchContext:
-    """The running rows' KV, contiguous per layer, kept across steps while the rows stay the same."""
+    """The running rows' KV, contiguous per layer, row ``i`` holding ``serials[i]``'s positions."""
 
     def __init__(self, pool: KvPool) -> None:
         self._pool = pool
-        self._rows: tuple[int, ...] = ()
-        self.capacity = 0
-        self.keys: list[torch.Tensor] = []
+        self.serials: list[int] = []  # the request (engine serial) of each live row, in row order
+        self.capacity = 0  # positions per row
+        self.keys: list[torch.Tensor] = []  # per layer [allocated rows, capacity, heads, width]
         self.values: list[torch.Tensor] = []
-        self.num_rebuilds = 0
+        self.num_rows_copied = 0  # rows copied in: joins, moves on leave, and every row at a growth
+        self.num_growths = 0
 
-    def prepare(self, rows: tuple[int, ...], blocks: Sequence[Sequence[int]], lengths: torch.Tensor) -> None:
-        """Makes positions [0, lengths[i]) of every row available; gathers only when rows changed."""
-        needed = int(lengths.max()) + 1
-        if rows == self._rows and needed <= self.capacity:
-            return
+    @property
+    def allocated_rows(self) -> int:
+        return int(self.keys[0].shape[0]) if self.keys else 0
+
+    def sync(
+        self, serials: Sequence[int], blocks: Sequence[Sequence[int]], lengths: Sequence[int]
+    ) -> list[int]:
+        """Makes the context hold exactly the requests ``serials`` (with their ``blocks`` and
+        ``lengths`` cached positions), room for one more position each; returns the row order as
+        indices into ``serials``: row ``i`` is request ``serials[order[i]]``."""
+        index = {serial: i for i, serial in enumerate(serials)}
+        self._drop_left(index)
+        needed = max(lengths) + 1
+        if needed > self.capacity or len(serials) > self.allocated_rows:
+            self._grow(len(serials), needed)
+        present = set(self.serials)
+        for i, serial in enumerate(serials):
+            if serial not in present:
+                self._join(blocks[i], lengths[i])
+                self.serials.append(serial)
+        return [index[serial] for serial in self.serials]
+
+    def _drop_left(self, live: dict[int, int]) -> None:
+        row = 0
+        while row < len(self.serials):
+            if self.serials[row] in live:
+                row += 1
+                continue
+            last = len(self.serials) - 1
+            if row != last:  # the last row takes the hole
+                for t in (*self.keys, *self.values):
+                    t[row].copy_(t[last])
+                self.serials[row] = self.serials[last]
+                self.num_rows_copied += 1
+            self.serials.pop()
+
+    def _grow(self, rows: int, positions: int) -> None:
         pool = self._pool
-        capacity = -(-(needed + CAPACITY_STEP) // CAPACITY_STEP) * CAPACITY_STEP
-        table = torch.zeros((len(rows), pool.blocks_for(capacity)), dtype=torch.long)
-        for i, row_blocks in enumerate(blocks):
-            n = min(len(row_blocks), table.shape[1])
-            table[i, :n] = torch.tensor(row_blocks[:n], dtype=torch.long)
-        positions = torch.arange(capacity)
-        slots = table[:, positions // pool.block_size] * pool.block_size + positions % pool.block_size
-        flat = slots.reshape(-1).to(pool.device)
-        self.keys = [k.index_select(0, flat).view(len(rows), capacity, *k.shape[1:]) for k in pool.keys]
-        self.values = [v.index_select(0, flat).view(len(rows), capacity, *v.shape[1:]) for v in pool.values]
-        self._rows = rows
+        new_rows = self.allocated_rows
+        if rows > new_rows:
+            new_rows = max(rows, 2 * new_rows, MIN_ROWS)
+        capacity = max(self.capacity, -(-(positions + CAPACITY_STEP) // CAPACITY_STEP) * CAPACITY_STEP)
+        live = len(self.serials)
+
+        def grown(old: torch.Tensor | None, heads: int, width: int) -> torch.Tensor:
+            new = torch.zeros((new_rows, capacity, heads, width), dtype=pool.layout.dtype, device=pool.device)
+            if old is not None and live:
+                new[:live, : self.capacity] = old[:live]
+            return new
+
+        layers = range(pool.layout.num_layers)
+        old_keys: list[torch.Tensor | None] = list(self.keys) or [None for _ in layers]
+        old_values: list[torch.Tensor | None] = list(self.values) or [None for _ in layers]
+        self.keys = [grown(k, h, w) for k, (h, w) in zip(old_keys, pool.layout.keys, strict=True)]
+        self.values = [grown(v, h, w) for v, (h, w) in zip(old_values, pool.layout.values, strict=True)]
         self.capacity = capacity
-        self.num_rebuilds += 1
+        self.num_rows_copied += live
+        self.num_growths += 1
+
+    def _join(self, blocks: Sequence[int], length: int) -> None:
+        """Copies a joining request's ``length`` cached positions from its blocks into the next row."""
+        row = len(self.serials)
+        slots = self._pool.slots(blocks, 0, length)
+        for pool_t, t in zip((*self._pool.keys, *self._pool.values), (*self.keys, *self.values), strict=True):
+            torch.index_select(pool_t, 0, slots, out=t[row, :length])
+        self.num_rows_copied += 1
 
     def clear(self) -> None:
-        self._rows = ()
+        self.serials = []
         self.capacity = 0
         self.keys = []
         self.values = []
