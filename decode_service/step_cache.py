@@ -8,7 +8,8 @@ is copied in (from its blocks); a request that leaves hands its row to the last 
 the only one to move. Every row is copied only when the context grows, which happens geometrically
 (rows doubled, positions by ``CAPACITY_STEP``). A step's attention reads the first ``length``
 positions of the live rows, the longest live context: its cost follows the live context, not a
-fixed maximum. Shorter rows are masked by the step's attention mask.
+fixed maximum. Shorter rows are masked by the step's attention mask. The context keeps its memory
+when the running set empties: the next burst of requests does not pay for growing it again.
 """
 
 from __future__ import annotations
@@ -60,18 +61,21 @@ class BatchContext:
         return [index[serial] for serial in self.serials]
 
     def _drop_left(self, live: dict[int, int]) -> None:
+        """Forgets the rows of requests not in ``live``: each hole is taken by the last live row."""
         row = 0
         while row < len(self.serials):
             if self.serials[row] in live:
                 row += 1
                 continue
+            while self.serials[-1] not in live:  # rows left at the end go without a move
+                self.serials.pop()
+                if row == len(self.serials):
+                    return
             last = len(self.serials) - 1
-            if row != last:  # the last row takes the hole
-                for t in (*self.keys, *self.values):
-                    t[row].copy_(t[last])
-                self.serials[row] = self.serials[last]
-                self.num_rows_copied += 1
-            self.serials.pop()
+            for t in (*self.keys, *self.values):
+                t[row].copy_(t[last])
+            self.serials[row] = self.serials.pop()
+            self.num_rows_copied += 1
 
     def _grow(self, rows: int, positions: int) -> None:
         pool = self._pool
@@ -105,10 +109,8 @@ class BatchContext:
         self.num_rows_copied += 1
 
     def clear(self) -> None:
+        """Forgets every row; the memory stays for the next ones (growing is what costs)."""
         self.serials = []
-        self.capacity = 0
-        self.keys = []
-        self.values = []
 
 
 class StepLayer(CacheLayerMixin):

@@ -120,11 +120,32 @@ def test_growth_keeps_every_row_and_step_writes() -> None:
     assert float(context.keys[0][rows.index(0), 3, 0, 0]) == 7.0
 
 
-def test_clear_forgets_every_row() -> None:
+def test_requests_leaving_together_move_only_the_rows_that_stay() -> None:
     _, context, requests = make()
-    requests.add(0, 5)
+    for serial in range(8):
+        requests.add(serial, 5)
+    rows = requests.sync(context)
+    copied = context.num_rows_copied
+    for serial in (rows[0], rows[2], rows[5], rows[6], rows[7]):
+        requests.remove(serial)
+    after = requests.sync(context)
+    assert after == [rows[4], rows[1], rows[3]]  # the rows left at the end went without a move
+    assert context.num_rows_copied - copied == 2  # one move per hole below the last live row
+    requests.assert_context_holds_pool(context, after)
+
+
+def test_clear_forgets_every_row_and_keeps_the_memory() -> None:
+    _, context, requests = make()
+    for serial in range(MIN_ROWS + 1):
+        requests.add(serial, 5)
     requests.sync(context)
+    allocated, capacity, growths = context.allocated_rows, context.capacity, context.num_growths
     context.clear()
-    assert context.serials == [] and context.allocated_rows == 0 and context.capacity == 0
-    assert requests.sync(context) == [0]
-    requests.assert_context_holds_pool(context, [0])
+    assert context.serials == []
+    for serial in range(MIN_ROWS + 1):
+        requests.remove(serial)
+    for serial in range(100, 100 + MIN_ROWS + 1):  # the next burst fits without growing
+        requests.add(serial, 7)
+    rows = requests.sync(context)
+    assert (context.allocated_rows, context.capacity, context.num_growths) == (allocated, capacity, growths)
+    requests.assert_context_holds_pool(context, rows)
