@@ -87,10 +87,9 @@ class BackendPool(Generic[StubT]):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._pick_wait_s
         while True:
-            serving = [b for b in self._rotated() if b.health.serving]
-            preferred = [b for b in serving if b not in avoid] or serving
-            if preferred:
-                return min(preferred, key=lambda b: b.outstanding)
+            backend = self.pick_now(avoid)
+            if backend is not None:
+                return backend
             remaining = deadline - loop.time()
             if remaining <= 0:
                 states = ", ".join(
@@ -99,6 +98,12 @@ class BackendPool(Generic[StubT]):
                 raise RpcError(grpc.StatusCode.UNAVAILABLE, f"no {self.role} is serving: {states}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
+
+    def pick_now(self, avoid: Collection[Backend[StubT]] = ()) -> Backend[StubT] | None:
+        """``pick`` without waiting: None when no backend is serving now."""
+        serving = [b for b in self._rotated() if b.health.serving]
+        preferred = [b for b in serving if b not in avoid] or serving
+        return min(preferred, key=lambda b: b.outstanding) if preferred else None
 
     def _rotated(self) -> list[Backend[StubT]]:
         start = next(self._order)

@@ -5,7 +5,9 @@
 3. stream that first token to the client at once (detokenized, stop strings applied);
 4. if the request is complete at its first token, it ends here: decode is never called;
 5. otherwise decode on the least-loaded serving decode with the KV handle, relaying its tokens
-   (the gateway's requests to one decode share one DecodeMany call: ``gateway.decode_mux``);
+   (the gateway's requests to one decode share one DecodeMany call: ``gateway.decode_mux``). When
+   a decode is serving, the request is sent to it just before the first token is streamed, so
+   that the decode's KV pull is not queued behind the gateway's writes to its clients;
 6. a stop string ends the stream and cancels decode; if the request ends in any way before decode
    has pulled the KV (client cancel, error, stop), the KV is released on the prefill.
 
@@ -36,7 +38,7 @@ import grpc
 
 from gateway.backend_health import BackendHealth
 from gateway.backends import Backend, BackendPool
-from gateway.decode_mux import DecodeFailure, DecodeMux
+from gateway.decode_mux import DecodeFailure, DecodeMux, MuxedRequest
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_input import PromptInput
 from gateway.text_stream import TextChunk, TextStream
@@ -129,11 +131,16 @@ class RequestFlow:
         prefill, first = await self._prefill(prefill_request, avoid=(), delivered=0)
         self._metrics.ttft_seconds.observe(time.perf_counter() - started)
         parked = _Parked(prefill, first.kv_handle) if first.HasField("kv_handle") else None
+        sent: tuple[DecodeBackend, MuxedRequest] | None = None  # sent to a decode, not yet read
         try:
             chunk = text.add([first.first_token_id])
             reason = STOP if chunk.stopped else (first.finish_reason or None)
             if reason is not None and not chunk.stopped:
                 chunk = _join(chunk, text.finish())
+            if reason is None and parked is not None:
+                early = self._decodes.pick_now()
+                if early is not None:
+                    sent = (early, self._start(early, request_id, parked, first, sampling))
             yield _response(chunk, reason, request_id=request_id, num_prompt_tokens=len(prompt_ids))
             if reason is not None:
                 self._metrics.finished.labels(reason).inc()
@@ -145,9 +152,15 @@ class RequestFlow:
 
             failed_decodes: list[DecodeBackend] = []
             for attempt in range(1, MAX_ATTEMPTS + 1):
-                decode = await self._pick(self._decodes, failed_decodes, delivered=text.num_tokens)
+                decode: DecodeBackend
+                if sent is not None:
+                    decode, muxed = sent
+                    sent = None
+                else:
+                    decode = await self._pick(self._decodes, failed_decodes, delivered=text.num_tokens)
+                    muxed = self._start(decode, request_id, parked, first, sampling)
                 try:
-                    async for response in self._decode(decode, request_id, parked, first, sampling, text):
+                    async for response in self._decode(decode, muxed, parked, text):
                         yield response
                     return
                 except _AttemptFailed as failure:
@@ -170,6 +183,8 @@ class RequestFlow:
                         ) from None
                     parked = _Parked(prefill, again.kv_handle)
         finally:
+            if sent is not None:  # the client went away before decode was read
+                _end(*sent)
             if parked is not None and not parked.pulled:
                 self._release_later(parked)
 
@@ -205,20 +220,18 @@ class RequestFlow:
             failed.append(prefill)
         raise AssertionError("unreachable")
 
-    async def _decode(
+    def _start(
         self,
         decode: DecodeBackend,
         request_id: str,
         parked: _Parked,
         first: prefill_pb2.PrefillResponse,
         sampling: Any,
-        text: TextStream,
-    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        """One decode attempt's responses; raises _AttemptFailed."""
-        where = f"decode {decode.address}"
+    ) -> MuxedRequest:
+        """Sends one decode attempt to ``decode``; ``_decode`` reads it, ``_end`` ends it."""
         decode.outstanding += 1
         self._metrics.decode_calls.inc()
-        muxed = self._mux(decode).start(
+        return self._mux(decode).start(
             decode_pb2.DecodeRequest(
                 request_id=request_id,
                 kv_handle=parked.handle,
@@ -226,6 +239,12 @@ class RequestFlow:
                 sampling=sampling,
             )
         )
+
+    async def _decode(
+        self, decode: DecodeBackend, muxed: MuxedRequest, parked: _Parked, text: TextStream
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """One decode attempt's responses; raises _AttemptFailed."""
+        where = f"decode {decode.address}"
         streamed = 0
         try:
             while True:
@@ -251,8 +270,7 @@ class RequestFlow:
                     self._metrics.finished.labels(reason).inc()
                     return
         finally:
-            decode.outstanding -= 1
-            muxed.close()
+            _end(decode, muxed)
 
     def _mux(self, decode: DecodeBackend) -> DecodeMux:
         mux = self._muxes.get(decode)
@@ -281,6 +299,12 @@ class RequestFlow:
         await asyncio.gather(*(mux.close() for mux in self._muxes.values()))
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _end(decode: DecodeBackend, muxed: MuxedRequest) -> None:
+    """Ends a decode attempt here (cancelling it on the decode if it still runs)."""
+    decode.outstanding -= 1
+    muxed.close()
 
 
 async def _guarded(health: BackendHealth, awaitable: Awaitable[T], call: grpc.aio.Call, where: str) -> T:
