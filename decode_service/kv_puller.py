@@ -6,9 +6,10 @@ Lifecycle of a pull:
 2. under the pair's lock: call PullKv on the prefill (NOT_FOUND when the handle is unknown or
    expired) and post the receive on the pair's channel. Lock plus shielding keep the order of
    receives equal to the order of the prefill's sends even if the request is cancelled. Pulls that
-   queued on the pair while the lock was held go together: one PullKvMany, whose sends the prefill
-   posts in the order of its handles, and the receives posted in that order (a burst of requests
-   costs one round trip per lock holder, not one per request). A prefill
+   queued on the pair while the lock was held go together: one PullKvMany, whose KVs the prefill
+   sends as one buffer (those it holds, concatenated in the order of the handles), and one receive
+   (a burst of requests costs one round trip and one transfer per lock holder, not one per
+   request). A prefill
    that tore this pair's generation down answers ABORTED with the lowest generation it takes
    (before it touches the handle): the pair moves on to it and asks once more;
 3. wait (bounded) for the data. A PullKv that failed after the prefill may have posted its send
@@ -31,6 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import grpc
 import torch
@@ -194,7 +196,7 @@ class KvPuller:
     async def _post_batch(self, pair: _Pair, batch: list[_Wanted]) -> None:
         """One pull call for ``batch`` (under the pair's lock); each pull's outcome goes to its future."""
         try:
-            channel, sizes, bufs = await self._pull_call(pair, [w.handle for w in batch])
+            channel, sizes, buf = await self._pull_call(pair, [w.handle for w in batch])
         except asyncio.CancelledError:
             for w in batch:
                 w.posted.cancel()
@@ -203,37 +205,48 @@ class KvPuller:
             for w in batch:
                 w.posted.set_exception(exc)
             return
-        broken: TransferError | None = None
-        for w, size, buf in zip(batch, sizes, bufs, strict=True):
-            if broken is not None:  # the pair is closed: nothing after a bad size can be received
-                w.posted.set_exception(broken)
-            elif size == 0:
+        found = [(w, size) for w, size in zip(batch, sizes, strict=True) if size]
+        for w, size in zip(batch, sizes, strict=True):
+            if size == 0:
                 w.posted.set_exception(
                     RpcError(
                         grpc.StatusCode.NOT_FOUND,
                         f"PullKvMany on {pair.prefill_address}: KV handle is unknown, expired or already pulled",
                     )
                 )
-            elif size != buf.numel():
-                self._break(pair, "size mismatch")  # the prefill posted a send of another size
-                broken = TransferError(f"prefill sends {size} bytes, expected {buf.numel()}")
+        if not found:
+            return
+        if any(size != w.handle.num_bytes for w, size in found):
+            # The prefill sends something else than what was asked: nothing can be received.
+            self._break(pair, "size mismatch")
+            broken = TransferError(
+                f"prefill sends {[size for _, size in found]} bytes, expected {[w.handle.num_bytes for w, _ in found]}"
+            )
+            for w, _ in found:
                 w.posted.set_exception(broken)
-            else:
-                w.posted.set_result((self._receive(channel, buf), buf))
+            return
+        total = sum(size for _, size in found)
+        future = self._receive(channel, buf.narrow(0, 0, total))
+        offset = 0
+        for w, size in found:
+            w.posted.set_result((future, buf.narrow(0, offset, size)))
+            offset += size
 
     async def _pull_call(
         self, pair: _Pair, handles: Sequence[kv_pb2.KvHandle]
-    ) -> tuple[PairChannel, list[int], list[torch.Tensor]]:
-        """PullKv for one handle, PullKvMany for several, on the pair's channel; the receive buffers
-        are allocated while the call is out. Returns the channel, what the prefill sends for each
-        handle (0: PullKvMany found nothing to send) and the buffers."""
-        bufs: list[torch.Tensor] = []
+    ) -> tuple[PairChannel, list[int], torch.Tensor]:
+        """PullKv for one handle, PullKvMany for several, on the pair's channel; the receive buffer
+        (room for every handle's KV, back to back) is allocated while the call is out. Returns the
+        channel, what the prefill sends for each handle (0: PullKvMany found nothing to send) and
+        the buffer."""
+        buf: torch.Tensor | None = None
+        num_bytes = sum(h.num_bytes for h in handles)
         for attempt in range(2):
             channel = await self._channel(pair, handles[0])
             timeout = self._timeout.total_seconds()
             try:
                 if len(handles) == 1:
-                    one = pair.stub.PullKv(
+                    call: Any = pair.stub.PullKv(
                         prefill_pb2.PullKvRequest(
                             handle_id=handles[0].id,
                             decode_instance_id=self._instance_id,
@@ -241,18 +254,19 @@ class KvPuller:
                         ),
                         timeout=timeout,
                     )
-                    bufs = bufs or [await self._allocate_during(handles[0].num_bytes)]
-                    return channel, [(await one).num_bytes], bufs
-                many = pair.stub.PullKvMany(
-                    prefill_pb2.PullKvManyRequest(
-                        handle_ids=[h.id for h in handles],
-                        decode_instance_id=self._instance_id,
-                        pair_generation=pair.generation,
-                    ),
-                    timeout=timeout,
-                )
-                bufs = bufs or [await self._allocate_during(h.num_bytes) for h in handles]
-                return channel, list((await many).num_bytes), bufs
+                else:
+                    call = pair.stub.PullKvMany(
+                        prefill_pb2.PullKvManyRequest(
+                            handle_ids=[h.id for h in handles],
+                            decode_instance_id=self._instance_id,
+                            pair_generation=pair.generation,
+                        ),
+                        timeout=timeout,
+                    )
+                buf = buf if buf is not None else await self._allocate_during(num_bytes)
+                response = await call
+                sizes = [response.num_bytes] if len(handles) == 1 else list(response.num_bytes)
+                return channel, sizes, buf
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _NOTHING_POSTED:
                     self._break(pair, f"PullKv failed: {exc.code().name}")

@@ -7,7 +7,8 @@ Lifecycle of a pull:
 3. the handle is taken out of the registry (a later pull or release finds nothing);
 4. if this decode's pair has another generation or is broken, it is closed and a new one is made
    under the decode's generation (the decode makes its side under the same store prefix);
-5. the send is posted on the pair, after every earlier send to that decode, and PullKv returns;
+5. the send is posted on the pair, after every earlier send to that decode, and PullKv returns
+   (the KVs of one PullKvMany go as one send of their buffers concatenated);
 6. the send completes, or fails at its bounded timeout (at once when the decode's process died),
    and the buffer is dropped: the KV is freed. A failed send tears the pair down at once (its
    group and thread go) and retires its generation; the decode's next pull builds a new one.
@@ -24,7 +25,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -103,18 +104,22 @@ class KvSender:
             self._check_generation(decode_instance_id, generation)
 
     def send(
-        self, entry: ParkedKv, decode_instance_id: str, generation: int
+        self, entries: Sequence[ParkedKv], decode_instance_id: str, generation: int
     ) -> concurrent.futures.Future[None]:
-        """Posts the send of a taken handle to that decode; the buffer is freed when it ends.
+        """Posts one send to that decode of the taken handles' buffers, concatenated in order; they
+        are freed when it ends.
 
         Raises StaleGeneration, or TransferError when the pair cannot take the send.
         """
+        if not entries:
+            raise ValueError("nothing to send")
+        buffer = entries[0].buffer if len(entries) == 1 else torch.cat([e.buffer for e in entries])
         with self._lock:
             pair = self._pair(decode_instance_id, generation)
-            future = pair.channel.send(entry.buffer)
+            future = pair.channel.send(buffer)
             self._in_flight += 1
         started = time.perf_counter()
-        num_bytes = entry.num_bytes
+        num_bytes = sum(e.num_bytes for e in entries)
 
         def done(f: concurrent.futures.Future[None]) -> None:
             exc = f.exception()

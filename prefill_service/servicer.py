@@ -57,7 +57,7 @@ class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
         if entry is None:
             self._metrics.kv_pulls_not_found.inc()
             await abort(context, grpc.StatusCode.NOT_FOUND, "KV handle is unknown, expired or already pulled")
-        await self._send(context, entry, decode, generation)
+        await self._send(context, [entry], decode, generation)
         return prefill_pb2.PullKvResponse(num_bytes=entry.num_bytes)
 
     async def PullKvMany(
@@ -69,16 +69,12 @@ class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
             context, request.handle_ids, request.decode_instance_id, request.pair_generation
         )
         self._metrics.kv_pull_calls.inc()
-        sizes = []
-        for handle_id in request.handle_ids:
-            entry = self._registry.take(handle_id)
-            if entry is None:
-                self._metrics.kv_pulls_not_found.inc()
-                sizes.append(0)
-                continue
-            await self._send(context, entry, decode, generation)
-            sizes.append(entry.num_bytes)
-        return prefill_pb2.PullKvManyResponse(num_bytes=sizes)
+        entries = [self._registry.take(handle_id) for handle_id in request.handle_ids]
+        found = [entry for entry in entries if entry is not None]
+        self._metrics.kv_pulls_not_found.inc(len(entries) - len(found))
+        if found:
+            await self._send(context, found, decode, generation)
+        return prefill_pb2.PullKvManyResponse(num_bytes=[0 if e is None else e.num_bytes for e in entries])
 
     async def _check_pull(
         self, context: Any, handle_ids: Sequence[bytes], decode: str, generation: int
@@ -101,11 +97,12 @@ class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
             await self._abort_stale(context, exc)
         return decode, generation
 
-    async def _send(self, context: Any, entry: ParkedKv, decode: str, generation: int) -> None:
-        """Posts the send of a taken KV on the pair; a failure ends the call (the KV is dropped)."""
-        self._metrics.kv_pulls.inc()
+    async def _send(self, context: Any, entries: Sequence[ParkedKv], decode: str, generation: int) -> None:
+        """Posts the send of taken KVs (one transfer) on the pair; a failure ends the call (the KVs
+        are dropped)."""
+        self._metrics.kv_pulls.inc(len(entries))
         try:
-            self._sender.send(entry, decode, generation)
+            self._sender.send(entries, decode, generation)
         except StaleGeneration as exc:  # a concurrent pull of that decode moved on: the KV is dropped
             self._metrics.kv_pull_failures.inc()
             await self._abort_stale(context, exc)

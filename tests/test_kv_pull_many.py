@@ -1,4 +1,5 @@
-"""Pulls that queue on one pair go together in one PullKvMany, in order, each with its own outcome.
+"""Pulls that queue on one pair go together in one PullKvMany and one transfer, in order, each with
+its own outcome.
 
 Both sides in this process: the prefill's handoff servicer on a real gRPC server, its store and
 sender, and a decode's KvPuller, over real gloo pairs on 127.0.0.1.
@@ -137,6 +138,8 @@ def test_a_burst_of_pulls_is_one_call_after_the_first_and_each_gets_its_own_kv()
             assert handoff.prefill_count("pdserve_kv_pulls_not_found_total") == 2
             assert handoff.registry.num_parked == 0
             await _until(lambda: handoff.sender.num_in_flight == 0 and handoff.puller.num_receiving == 0)
+            # One transfer per call: the five KVs the PullKvMany found went as one buffer.
+            assert handoff.prefill_count("pdserve_kv_send_seconds_count") == 2
             # The pair stayed in step: single and batched pulls go on over it.
             handle, layers = handoff.park(5)
             _assert_received(await handoff.puller.pull(handle), layers)
@@ -145,6 +148,8 @@ def test_a_burst_of_pulls_is_one_call_after_the_first_and_each_gets_its_own_kv()
             for got, (_, want) in zip(results, again, strict=True):
                 _assert_received(got, want)
             assert handoff.sender.num_pairs == 1
+            await _until(lambda: handoff.sender.num_in_flight == 0)
+            assert handoff.prefill_count("pdserve_kv_send_seconds_count") == 5
         finally:
             await handoff.stop()
 

@@ -78,8 +78,9 @@ class PrefillServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PullKvMany(self, request, context):
-        """PullKv for several parked KVs of one decode in one round trip: the sends of the handles found
-        are posted in the order of handle_ids, and the decode posts its receives in that order.
+        """PullKv for several parked KVs of one decode in one round trip and one transfer: the KVs of the
+        handles found are sent as one buffer, concatenated in the order of handle_ids, and the decode
+        posts one receive of the sum of their num_bytes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
