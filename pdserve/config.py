@@ -144,6 +144,18 @@ class ServerConfig:
         return self.advertise_host or self.host
 
 
+# The prefill's token budget by device. On CPU a forward takes time in proportion to its tokens, and
+# every request of a batch waits for the whole forward: smaller batches give earlier first tokens
+# and let the decode start on them while the prefill goes on. A GPU runs larger batches at little
+# extra time.
+CPU_BATCH_TOKENS = 1024
+CUDA_BATCH_TOKENS = 8192
+MAX_BATCH_TOKENS_HELP = (
+    "token budget of one batched prefill forward (batch x longest prompt); "
+    f"0: {CPU_BATCH_TOKENS} on CPU, {CUDA_BATCH_TOKENS} on CUDA"
+)
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -151,16 +163,20 @@ class PrefillConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     kv_port: int = field(default=0, metadata={"help": "port of the KV rendezvous store (0 picks a free one)"})
     lease_s: float = field(default=30.0, metadata={"help": "seconds a parked KV waits to be pulled"})
-    max_batch_tokens: int = field(
-        default=8192,
-        metadata={"help": "token budget of one batched prefill forward (batch x longest prompt)"},
-    )
+    max_batch_tokens: int = field(default=0, metadata={"help": MAX_BATCH_TOKENS_HELP})
 
     def __post_init__(self) -> None:
         _check_port("kv_port", self.kv_port)
         _check_positive("lease_s", self.lease_s)
-        if self.max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+        if self.max_batch_tokens < 0:
+            raise ValueError(f"max_batch_tokens must be >= 0 (0: by device), got {self.max_batch_tokens}")
+
+    @property
+    def batch_tokens(self) -> int:
+        """The prefill's token budget: ``max_batch_tokens``, or the device's default when 0."""
+        if self.max_batch_tokens:
+            return self.max_batch_tokens
+        return CPU_BATCH_TOKENS if self.engine.device == "cpu" else CUDA_BATCH_TOKENS
 
 
 @dataclass(frozen=True)
@@ -193,10 +209,7 @@ class ColocatedConfig:
     prefill_metrics_port: int = field(default=0, metadata={"help": "metrics port of the prefill side"})
     kv_port: int = field(default=0, metadata={"help": "port of the KV rendezvous store (0 picks a free one)"})
     lease_s: float = field(default=30.0, metadata={"help": "seconds a parked KV waits to be pulled"})
-    max_batch_tokens: int = field(
-        default=8192,
-        metadata={"help": "token budget of one batched prefill forward (batch x longest prompt)"},
-    )
+    max_batch_tokens: int = field(default=0, metadata={"help": MAX_BATCH_TOKENS_HELP})
     max_running: int = field(default=64, metadata={"help": "most requests decoding at once"})
     max_kv_tokens: int = field(default=65536, metadata={"help": "KV pool size of the decode, in tokens"})
     kv_block_size: int = field(default=16, metadata={"help": "tokens per KV pool block"})

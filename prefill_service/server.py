@@ -90,7 +90,7 @@ def build_prefill(
     registry = KvRegistry(config.lease_s)
     metrics.track_parked(lambda: registry.num_parked, lambda: registry.num_bytes_parked)
     sender = KvSender(instance_id, store, backend, engine_model.device, host, timeout, metrics)
-    engine = PrefillEngine(engine_model, device, config.max_batch_tokens)
+    engine = PrefillEngine(engine_model, device, config.batch_tokens)
     kv_rendezvous = f"{host}:{store.port}"
     handle_template = kv_pb2.KvHandle(
         prefill_address=server.address,

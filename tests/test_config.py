@@ -12,6 +12,8 @@ import pytest
 from pdserve import cli_options
 from pdserve.cli_options import add_arguments, build, env_names, options
 from pdserve.config import (
+    CPU_BATCH_TOKENS,
+    CUDA_BATCH_TOKENS,
     DEFAULT_MODEL,
     ColocatedConfig,
     DecodeConfig,
@@ -55,7 +57,11 @@ ADDRS = {"prefill": ("127.0.0.1:1",), "decode": ("127.0.0.1:2",)}
         (PrefillConfig, {"kv_port": -1}, r"^kv_port "),
         (DecodeConfig, {"kv_block_size": 0}, r"^kv_block_size must be >= 1, got 0$"),
         (DecodeConfig, {"max_kv_tokens": 8}, r"^max_kv_tokens must be >= kv_block_size \(16\), got 8$"),
-        (PrefillConfig, {"max_batch_tokens": 0}, r"^max_batch_tokens must be >= 1, got 0$"),
+        (
+            PrefillConfig,
+            {"max_batch_tokens": -1},
+            r"^max_batch_tokens must be >= 0 \(0: by device\), got -1$",
+        ),
         (PrefillConfig, {"lease_s": float("nan")}, r"^lease_s must be a finite number > 0, got nan$"),
         (
             TransferConfig,
@@ -125,6 +131,15 @@ def test_defaults() -> None:
     assert ServerConfig(host="0.0.0.0", advertise_host="prefill").public_host == "prefill"
     assert PrefillConfig().lease_s == 30.0
     assert DecodeConfig().max_running == 64
+
+
+def test_the_prefill_token_budget_follows_the_device_unless_set() -> None:
+    assert PrefillConfig().batch_tokens == CPU_BATCH_TOKENS
+    assert PrefillConfig(engine=EngineConfig(device="cuda:1")).batch_tokens == CUDA_BATCH_TOKENS
+    assert PrefillConfig(max_batch_tokens=300).batch_tokens == 300
+    assert PrefillConfig(engine=EngineConfig(device="cuda"), max_batch_tokens=5).batch_tokens == 5
+    colocated = ColocatedConfig(engine=EngineConfig(device="cuda"))
+    assert colocated.prefill_config().batch_tokens == CUDA_BATCH_TOKENS
 
 
 def test_backend_for() -> None:
