@@ -89,7 +89,7 @@ class DecodeEngine:
         self._metrics = metrics
         self._max_running = max_running
         self._pool = pool
-        self._context = BatchContext(pool)
+        self._context = BatchContext(pool, max_running)
         self._serials = itertools.count()
         self._inbox: queue.SimpleQueue[DecodeSequence | WarmUp | None] = queue.SimpleQueue()
         self._waiting: collections.deque[DecodeSequence] = collections.deque()

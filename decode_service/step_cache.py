@@ -6,9 +6,9 @@ row per running request, kept across steps: each step writes its new token into 
 the batch context, in place. A request that joins takes a free row at the end and only its own KV
 is copied in (from its blocks); a request that leaves hands its row to the last row, whose KV is
 the only one to move. Every row is copied only when the context grows, which happens geometrically
-(rows doubled, positions by ``CAPACITY_STEP``). A step's attention reads the first ``length``
-positions of the live rows, the longest live context: its cost follows the live context, not a
-fixed maximum. Shorter rows are masked by the step's attention mask. The context keeps its memory
+(rows doubled, up to the engine's most running requests; positions by ``CAPACITY_STEP``). A
+step's attention reads the first ``length`` positions of the live rows, the longest live context:
+its cost follows the live context, not a fixed maximum. Shorter rows are masked by the step's attention mask. The context keeps its memory
 when the running set empties: the next burst of requests does not pay for growing it again.
 """
 
@@ -29,8 +29,11 @@ MIN_ROWS = 8  # rows of a batch context when first allocated
 class BatchContext:
     """The running rows' KV, contiguous per layer, row ``i`` holding ``serials[i]``'s positions."""
 
-    def __init__(self, pool: KvPool) -> None:
+    def __init__(self, pool: KvPool, max_rows: int) -> None:
+        if max_rows < 1:
+            raise ValueError(f"a batch context needs rows, got max_rows={max_rows}")
         self._pool = pool
+        self._max_rows = max_rows
         self.serials: list[int] = []  # the request (engine serial) of each live row, in row order
         self.capacity = 0  # positions per row
         self.keys: list[torch.Tensor] = []  # per layer [allocated rows, capacity, heads, width]
@@ -80,8 +83,8 @@ class BatchContext:
     def _grow(self, rows: int, positions: int) -> None:
         pool = self._pool
         new_rows = self.allocated_rows
-        if rows > new_rows:
-            new_rows = max(rows, 2 * new_rows, MIN_ROWS)
+        if rows > new_rows:  # rows beyond --max-running would never be used
+            new_rows = max(rows, min(2 * new_rows, self._max_rows), min(MIN_ROWS, self._max_rows))
         capacity = max(self.capacity, -(-(positions + CAPACITY_STEP) // CAPACITY_STEP) * CAPACITY_STEP)
         live = len(self.serials)
 

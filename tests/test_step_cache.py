@@ -53,7 +53,7 @@ class Requests:
 
 def make() -> tuple[KvPool, BatchContext, Requests]:
     pool = KvPool(LAYOUT, num_blocks=256, block_size=4, device=torch.device("cpu"))
-    return pool, BatchContext(pool), Requests(pool)
+    return pool, BatchContext(pool, max_rows=64), Requests(pool)
 
 
 def test_sync_returns_every_request_once_with_its_kv_in_its_row() -> None:
@@ -149,3 +149,15 @@ def test_clear_forgets_every_row_and_keeps_the_memory() -> None:
     rows = requests.sync(context)
     assert (context.allocated_rows, context.capacity, context.num_growths) == (allocated, capacity, growths)
     requests.assert_context_holds_pool(context, rows)
+
+
+def test_rows_double_up_to_the_most_running_requests() -> None:
+    pool = KvPool(LAYOUT, num_blocks=256, block_size=4, device=torch.device("cpu"))
+    context, requests = BatchContext(pool, max_rows=20), Requests(pool)
+    allocated = []
+    for serial in range(20):
+        requests.add(serial, 2)
+        requests.sync(context)
+        allocated.append(context.allocated_rows)
+    assert sorted(set(allocated)) == [MIN_ROWS, 2 * MIN_ROWS, 20]
+    requests.assert_context_holds_pool(context, context.serials)
