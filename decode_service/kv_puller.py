@@ -9,9 +9,8 @@ Lifecycle of a pull:
    queued on the pair while the lock was held go together: one PullKvMany, whose KVs the prefill
    sends as one buffer (those it holds, concatenated in the order of the handles), and one receive
    (a burst of requests costs one round trip and one transfer per lock holder, not one per
-   request). A prefill
-   that tore this pair's generation down answers ABORTED with the lowest generation it takes
-   (before it touches the handle): the pair moves on to it and asks once more;
+   request). A prefill that tore this pair's generation down answers ABORTED with the lowest
+   generation it takes (before it touches the handle): the pair moves on to it and asks once more;
 3. wait (bounded) for the data. A PullKv that failed after the prefill may have posted its send
    (deadline, lost connection), or a failed receive, closes the channel: the next pull rebuilds
    the pair under a new generation, so the two sides never fall out of step;

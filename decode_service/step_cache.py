@@ -8,8 +8,9 @@ is copied in (from its blocks); a request that leaves hands its row to the last 
 the only one to move. Every row is copied only when the context grows, which happens geometrically
 (rows doubled, up to the engine's most running requests; positions by ``CAPACITY_STEP``). A
 step's attention reads the first ``length`` positions of the live rows, the longest live context:
-its cost follows the live context, not a fixed maximum. Shorter rows are masked by the step's attention mask. The context keeps its memory
-when the running set empties: the next burst of requests does not pay for growing it again.
+its cost follows the live context, not a fixed maximum. Shorter rows are masked by the step's
+attention mask. The context keeps its memory when the running set empties: the next burst of
+requests does not pay for growing it again.
 """
 
 from __future__ import annotations
@@ -88,17 +89,17 @@ class BatchContext:
         capacity = max(self.capacity, -(-(positions + CAPACITY_STEP) // CAPACITY_STEP) * CAPACITY_STEP)
         live = len(self.serials)
 
-        def grown(old: torch.Tensor | None, heads: int, width: int) -> torch.Tensor:
-            new = torch.zeros((new_rows, capacity, heads, width), dtype=pool.layout.dtype, device=pool.device)
-            if old is not None and live:
-                new[:live, : self.capacity] = old[:live]
+        def grown(old: list[torch.Tensor], shapes: tuple[tuple[int, int], ...]) -> list[torch.Tensor]:
+            new = [
+                torch.zeros((new_rows, capacity, heads, width), dtype=pool.layout.dtype, device=pool.device)
+                for heads, width in shapes
+            ]
+            for new_t, old_t in zip(new, old, strict=False):  # no old tensors at the first growth
+                new_t[:live, : self.capacity] = old_t[:live]
             return new
 
-        layers = range(pool.layout.num_layers)
-        old_keys: list[torch.Tensor | None] = list(self.keys) or [None for _ in layers]
-        old_values: list[torch.Tensor | None] = list(self.values) or [None for _ in layers]
-        self.keys = [grown(k, h, w) for k, (h, w) in zip(old_keys, pool.layout.keys, strict=True)]
-        self.values = [grown(v, h, w) for v, (h, w) in zip(old_values, pool.layout.values, strict=True)]
+        self.keys = grown(self.keys, pool.layout.keys)
+        self.values = grown(self.values, pool.layout.values)
         self.capacity = capacity
         self.num_rows_copied += live
         self.num_growths += 1
