@@ -19,6 +19,7 @@ from pdserve.config import EngineConfig
 from pdserve.kv_layout import KvLayout
 from pdserve.model_limits import ModelLimits
 from pdserve.model_source import resolve_model_dir
+from pdserve.weight_layout import prefers_input_major, store_linear_weights_input_major
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ def load_engine_model(config: EngineConfig) -> EngineModel:
     dtype = resolve_dtype(config.dtype, device, hf_config)
     logger.info("loading %s (%s) on %s as %s", config.model, model_dir, device, dtype)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    if prefers_input_major(device, dtype):
+        logger.info("%d linear weights stored input-major", store_linear_weights_input_major(model))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = ModelLimits.from_config(hf_config, config.max_model_len, eos_token_ids(model_dir, hf_config))
     return EngineModel(

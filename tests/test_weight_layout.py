@@ -1,0 +1,74 @@
+"""Linear weights stored input-major: same values and outputs, only the strides change, shared weights kept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from pdserve.config import EngineConfig
+from pdserve.engine_model import load_engine_model
+from pdserve.weight_layout import prefers_input_major, store_linear_weights_input_major
+
+
+def _llama(tied: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    for p in model.parameters():  # large enough weights for clear top-1 margins
+        torch.nn.init.normal_(p, std=0.3)
+    return model.eval()
+
+
+def test_only_cpu_float32_prefers_input_major() -> None:
+    assert prefers_input_major(torch.device("cpu"), torch.float32)
+    assert not prefers_input_major(torch.device("cpu"), torch.bfloat16)
+    assert not prefers_input_major(torch.device("cpu"), torch.float16)
+    assert not prefers_input_major(torch.device("cuda", 0), torch.float32)
+
+
+def test_weights_keep_values_and_outputs() -> None:
+    model = _llama(tied=False)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    prompt = torch.randint(0, 96, (3, 7), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        logits = model(input_ids=prompt).logits
+        reference = model.generate(prompt, max_new_tokens=12, do_sample=False)
+
+    # 2 layers x (q, k, v, o, gate, up, down) + lm_head
+    assert store_linear_weights_input_major(model) == 15
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            assert module.weight.stride() == (1, module.out_features), name
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids=prompt).logits, logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(model.generate(prompt, max_new_tokens=12, do_sample=False), reference)
+    assert store_linear_weights_input_major(model) == 0  # already input-major
+
+
+def test_tied_output_projection_keeps_its_layout() -> None:
+    model = _llama(tied=True)
+    embeddings = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is embeddings
+    assert store_linear_weights_input_major(model) == 14
+    assert model.get_output_embeddings().weight is embeddings
+    assert embeddings.is_contiguous()
+
+
+def test_cpu_engine_model_loads_input_major(cache_dir: Path) -> None:
+    m = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir)))
+    projection = m.model.model.layers[0].self_attn.q_proj
+    assert projection.weight.stride() == (1, projection.out_features)
