@@ -107,6 +107,16 @@ def measure_kv_layout(model: Any, device: torch.device) -> KvLayout:
     return KvLayout.from_cache_layers([(layer.keys, layer.values) for layer in cache.layers])
 
 
+def compile_forward(model: Any, device: torch.device) -> Any:
+    """``model`` compiled for the engines' forwards.
+
+    Shapes (batch, context) change at every step: compiled once with dynamic sizes. On CPU the
+    generated code calls its kernels from C++ instead of Python (inductor's ``cpp_wrapper``): a decode
+    step of the reference model (32 rows) costs about 1 ms less of its 10.
+    """
+    return torch.compile(model, dynamic=True, options={"cpp_wrapper": device.type == "cpu"})
+
+
 def load_engine_model(config: EngineConfig) -> EngineModel:
     device = torch.device(config.rank_device)
     if device.type == "cpu":
@@ -129,6 +139,5 @@ def load_engine_model(config: EngineConfig) -> EngineModel:
         device=device,
         fingerprint=fingerprint(model, dtype),
         kv_layout=measure_kv_layout(model, device),
-        # Shapes (batch, context) change at every step: compiled once with dynamic sizes.
-        forward_module=torch.compile(model, dynamic=True) if config.compile else None,
+        forward_module=compile_forward(model, device) if config.compile else None,
     )
