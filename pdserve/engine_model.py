@@ -128,6 +128,8 @@ def load_engine_model(config: EngineConfig) -> EngineModel:
     dtype = resolve_dtype(config.dtype, device, hf_config)
     logger.info("loading %s (%s) on %s as %s", config.model, model_dir, device, dtype)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    # Sampled while the weights are contiguous: flattening an input-major weight would copy it whole.
+    model_fingerprint = fingerprint(model, dtype)
     if prefers_input_major(device, dtype):
         logger.info("%d linear weights stored input-major", store_linear_weights_input_major(model))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -137,7 +139,7 @@ def load_engine_model(config: EngineConfig) -> EngineModel:
         tokenizer=tokenizer,
         limits=limits,
         device=device,
-        fingerprint=fingerprint(model, dtype),
+        fingerprint=model_fingerprint,
         kv_layout=measure_kv_layout(model, device),
         forward_module=compile_forward(model, device) if config.compile else None,
     )

@@ -5,27 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from pdserve.config import EngineConfig
 from pdserve.engine_model import load_engine_model
+from pdserve.tiny_presets import INITIALIZER_RANGE, SEED, fill_portable, tiny_config
 from pdserve.weight_layout import prefers_input_major, store_linear_weights_input_major
 
 
 def _llama(tied: bool) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-    )
+    config = tiny_config("tiny-llama", vocab_size=96, eos_id=1)  # 4 layers
+    config.tie_word_embeddings = tied
     model = AutoModelForCausalLM.from_config(config)
-    for p in model.parameters():  # large enough weights for clear top-1 margins
-        torch.nn.init.normal_(p, std=0.3)
+    fill_portable(model, SEED, INITIALIZER_RANGE)
     return model.eval()
 
 
@@ -44,8 +36,8 @@ def test_weights_keep_values_and_outputs() -> None:
         logits = model(input_ids=prompt).logits
         reference = model.generate(prompt, max_new_tokens=12, do_sample=False)
 
-    # 2 layers x (q, k, v, o, gate, up, down) + lm_head
-    assert store_linear_weights_input_major(model) == 15
+    # 4 layers x (q, k, v, o, gate, up, down) + lm_head
+    assert store_linear_weights_input_major(model) == 29
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
             assert module.weight.stride() == (1, module.out_features), name
@@ -63,7 +55,7 @@ def test_tied_output_projection_keeps_its_layout() -> None:
     model = _llama(tied=True)
     embeddings = model.get_input_embeddings().weight
     assert model.get_output_embeddings().weight is embeddings
-    assert store_linear_weights_input_major(model) == 14
+    assert store_linear_weights_input_major(model) == 28
     assert model.get_output_embeddings().weight is embeddings
     assert embeddings.is_contiguous()
 
