@@ -26,6 +26,7 @@ run: deps
 lint: deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 typecheck: deps
 	$(VENV)/bin/mypy

@@ -12,15 +12,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from decode_service.local_kv_source import LocalKvSource
+from colocated_service.local_kv_source import LocalKvSource
 from decode_service.metrics import DecodeMetrics
 from decode_service.server import DECODE_WORK, DecodeParts, build_decode
 from decode_service.server import SERVICE_NAME as DECODE_SERVICE
 from pdserve.config import ColocatedConfig
-from pdserve.engine_model import EngineModel
-from pdserve.grpc_server import ServiceServer
-from pdserve.service_kind import RankParts, ServiceKind
-from pdserve.service_main import serve_service
+from pdserve.hosting.service_kind import RankParts, ServiceKind
+from pdserve.hosting.service_main import serve_service
+from pdserve.model.engine_model import EngineModel
+from pdserve.rpc.server import ServiceServer
 from prefill_service.server import PREFILL_WORK, PrefillParts, build_prefill
 from prefill_service.server import SERVICE_NAME as PREFILL_SERVICE
 

@@ -35,10 +35,10 @@ import torch
 from decode_service.kv_pool import KvPool
 from decode_service.metrics import DecodeMetrics
 from decode_service.step_cache import BatchContext, StepCache, StepLayer
-from pdserve.engine_model import EngineModel
-from pdserve.finish import finish_reason
-from pdserve.sampling import SamplingParams, sample
-from pdserve.warm_up import WarmUp
+from pdserve.core.finish import finish_reason
+from pdserve.core.sampling import SamplingParams, sample
+from pdserve.model.engine_model import EngineModel
+from pdserve.model.warm_up import WarmUp
 
 logger = logging.getLogger(__name__)
 

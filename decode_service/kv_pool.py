@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.kv_layout import KvLayout
+from pdserve.kv.layout import KvLayout
 
 
 class KvPool:

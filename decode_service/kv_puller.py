@@ -37,20 +37,19 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from decode_service.kv_compat import KvCompatibility
 from decode_service.metrics import DecodeMetrics
-from pdserve.kv_layout import KvLayout, unpack
-from pdserve.kv_transport import (
+from pdserve.kv.channel import (
     DECODE_RANK,
     MIN_GENERATION_METADATA,
     PairChannel,
     TransferError,
-    connect_store,
-    pair_prefix,
     transfer_device,
     transfer_threads,
 )
-from pdserve.rpc_errors import RpcError
+from pdserve.kv.handle import KvCompatibility
+from pdserve.kv.layout import KvLayout, unpack
+from pdserve.kv.rendezvous import connect_store, pair_prefix
+from pdserve.rpc.errors import RpcError
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -22,10 +22,10 @@ from decode_service.kv_source import KvSource
 from decode_service.metrics import DecodeMetrics
 from decode_service.servicer import DecodeServicer
 from pdserve.config import DecodeConfig
-from pdserve.engine_model import EngineModel
-from pdserve.grpc_server import ServiceServer
-from pdserve.service_kind import RankParts, ServiceKind
-from pdserve.service_main import serve_service
+from pdserve.hosting.service_kind import RankParts, ServiceKind
+from pdserve.hosting.service_main import serve_service
+from pdserve.model.engine_model import EngineModel
+from pdserve.rpc.server import ServiceServer
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """gRPC servicer of pdserve.v1.Decode: pull the KV, join the engine, stream tokens back.
 
 ``Decode`` carries one request per call; ``DecodeMany`` carries many over one call and sends each
-engine step's tokens for all of them in one message (``pdserve.update_stream``). Both admit a
+engine step's tokens for all of them in one message (``pdserve.rpc.update_stream``). Both admit a
 request the same way (``_prepare``: validate, check it can ever fit, pull its KV) and report an
 engine failure with the same status.
 """
@@ -19,11 +19,11 @@ import torch
 from decode_service.engine import DecodeEngine, DecodeSequence
 from decode_service.kv_source import KvSource
 from decode_service.metrics import DecodeMetrics
-from pdserve.engine_model import ForwardUnavailable
-from pdserve.rpc_errors import RpcError, abort
-from pdserve.sampling import SamplingParams
-from pdserve.sampling_proto import sampling_from_proto
-from pdserve.update_stream import UpdateStream, serve_many
+from pdserve.core.sampling import SamplingParams
+from pdserve.model.engine_model import ForwardUnavailable
+from pdserve.rpc.errors import RpcError, abort
+from pdserve.rpc.sampling_proto import sampling_from_proto
+from pdserve.rpc.update_stream import UpdateStream, serve_many
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)

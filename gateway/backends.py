@@ -18,8 +18,8 @@ from typing import Generic, TypeVar
 import grpc
 
 from gateway.backend_health import BackendHealth, probe_forever
-from pdserve.grpc_server import MESSAGE_SIZE_OPTIONS
-from pdserve.rpc_errors import RpcError
+from pdserve.rpc.errors import RpcError
+from pdserve.rpc.server import MESSAGE_SIZE_OPTIONS
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
 StubT = TypeVar("StubT")

@@ -53,8 +53,8 @@ from gateway.openai_requests import (
     sampling_params,
 )
 from gateway.request_flow import RequestFlow
-from pdserve.model_limits import ModelLimits
-from pdserve.sampling import SamplingParams
+from pdserve.core.limits import ModelLimits
+from pdserve.core.sampling import SamplingParams
 from pdserve.v1 import gateway_pb2
 
 EventsFn = Callable[[ResponseMeta, gateway_pb2.GenerateResponse, Responses, bool], AsyncGenerator[str, None]]

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from gateway.openai_models import ErrorInfo, ErrorResponse
-from pdserve.rpc_errors import RpcError
+from pdserve.rpc.errors import RpcError
 
 logger = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from gateway.openai_models import (
 )
 from gateway.openai_requests import openai_finish_reason
 from gateway.request_flow import RequestFlow
-from pdserve.rpc_errors import RpcError
-from pdserve.sampling import SamplingParams
+from pdserve.core.sampling import SamplingParams
+from pdserve.rpc.errors import RpcError
 from pdserve.v1 import gateway_pb2
 
 Responses = AsyncGenerator[gateway_pb2.GenerateResponse, None]

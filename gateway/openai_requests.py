@@ -15,8 +15,8 @@ from gateway.openai_models import (
     FinishReason,
     SamplingFields,
 )
-from pdserve.finish import EOS, LENGTH, STOP
-from pdserve.sampling import SamplingParams
+from pdserve.core.finish import EOS, LENGTH, STOP
+from pdserve.core.sampling import SamplingParams
 from pdserve.v1 import gateway_pb2
 
 _FINISH_REASONS: dict[str, FinishReason] = {EOS: "stop", STOP: "stop", LENGTH: "length"}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.model_limits import ModelLimits
-from pdserve.sampling import SamplingParams
+from pdserve.core.limits import ModelLimits
+from pdserve.core.sampling import SamplingParams
 from pdserve.v1 import gateway_pb2
 
 

@@ -42,10 +42,10 @@ from gateway.decode_mux import DecodeFailure, DecodeMux, MuxedRequest
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_input import PromptInput
 from gateway.text_stream import TextChunk, TextStream
-from pdserve.finish import STOP
-from pdserve.rpc_errors import RpcError, status_code
-from pdserve.sampling import SamplingParams
-from pdserve.sampling_proto import sampling_to_proto
+from pdserve.core.finish import STOP
+from pdserve.core.sampling import SamplingParams
+from pdserve.rpc.errors import RpcError, status_code
+from pdserve.rpc.sampling_proto import sampling_to_proto
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, gateway_pb2, kv_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -16,11 +16,11 @@ from gateway.prompt_input import PromptInput
 from gateway.request_flow import RequestFlow
 from gateway.servicer import GatewayServicer
 from pdserve.config import GatewayConfig
-from pdserve.engine_model import eos_token_ids
-from pdserve.grpc_server import ServiceServer, announce_ready, wait_for_stop_signal
-from pdserve.metrics_server import MetricsServer
-from pdserve.model_limits import ModelLimits
-from pdserve.model_source import resolve_model_dir
+from pdserve.core.limits import ModelLimits
+from pdserve.hosting.metrics_server import MetricsServer
+from pdserve.model.engine_model import eos_token_ids
+from pdserve.model.source import resolve_model_dir
+from pdserve.rpc.server import ServiceServer, announce_ready, wait_for_stop_signal
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger(__name__)

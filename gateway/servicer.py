@@ -11,8 +11,8 @@ import grpc
 
 from gateway.metrics import GatewayMetrics
 from gateway.request_flow import RequestFlow
-from pdserve.rpc_errors import RpcError, abort
-from pdserve.sampling_proto import sampling_from_proto
+from pdserve.rpc.errors import RpcError, abort
+from pdserve.rpc.sampling_proto import sampling_from_proto
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger(__name__)

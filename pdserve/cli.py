@@ -7,8 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pdserve import cli_options
-from pdserve.config import ColocatedConfig, DecodeConfig, GatewayConfig, PrefillConfig
+from pdserve.config import ColocatedConfig, DecodeConfig, GatewayConfig, PrefillConfig, flags
 
 SERVICES: dict[str, tuple[type, str]] = {
     "prefill": (PrefillConfig, "run a prefill service"),
@@ -19,7 +18,7 @@ SERVICES: dict[str, tuple[type, str]] = {
 
 
 def _serve(name: str, config: Any) -> None:
-    from pdserve.grpc_server import run_service
+    from pdserve.rpc.server import run_service
 
     if name == "prefill":
         from prefill_service.server import serve as serve_prefill
@@ -40,8 +39,10 @@ def _serve(name: str, config: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdserve import client, health_client, launcher
+    from pdserve import client
     from pdserve.bench import command as bench
+    from pdserve.launch import supervisor as launcher
+    from pdserve.rpc import health_client
 
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__, allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, (cls, help_text) in SERVICES.items():
         sub = commands.add_parser(name, help=help_text)
-        cli_options.add_arguments(sub, cls)
+        flags.add_arguments(sub, cls)
         sub.set_defaults(run=_service_runner(name, cls))
 
     generate = commands.add_parser("generate", help="stream one request from a running gateway")
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     health_client.add_health_arguments(health)
     health.set_defaults(run=health_client.run_health)
 
-    from pdserve import bench_kv
+    from pdserve.bench.kv import command as bench_kv
 
     bench_kv_parser = commands.add_parser("bench-kv", help="measure the KV handoff between two processes")
     bench_kv.add_bench_kv_arguments(bench_kv_parser)
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _service_runner(name: str, cls: type) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         try:
-            config: Any = cli_options.build(cls, args)
+            config: Any = flags.build(cls, args)
         except ValueError as exc:
             print(f"pdserve {name}: {exc}", file=sys.stderr)
             return 2

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from pdserve.engine_model import EngineModel
-from pdserve.finish import STOP, finish_reason
-from pdserve.kv_layout import pack
-from pdserve.sampling import SamplingParams, sample
-from pdserve.warm_up import WarmUp
+from pdserve.core.finish import STOP, finish_reason
+from pdserve.core.sampling import SamplingParams, sample
+from pdserve.kv.layout import pack
+from pdserve.model.engine_model import EngineModel
+from pdserve.model.warm_up import WarmUp
 
 logger = logging.getLogger(__name__)
 

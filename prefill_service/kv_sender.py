@@ -32,7 +32,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pdserve.kv_transport import PREFILL_RANK, PairChannel, pair_prefix, transfer_threads
+from pdserve.kv.channel import PREFILL_RANK, PairChannel, transfer_threads
+from pdserve.kv.rendezvous import pair_prefix
 from prefill_service.kv_registry import ParkedKv
 from prefill_service.metrics import PrefillMetrics
 

@@ -18,12 +18,13 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
 from pdserve.config import PrefillConfig
-from pdserve.engine_model import EngineModel
-from pdserve.grpc_server import ServiceServer
-from pdserve.kv_layout import dtype_name
-from pdserve.kv_transport import host_store, transfer_device
-from pdserve.service_kind import RankParts, ServiceKind
-from pdserve.service_main import serve_service
+from pdserve.hosting.service_kind import RankParts, ServiceKind
+from pdserve.hosting.service_main import serve_service
+from pdserve.kv.channel import transfer_device
+from pdserve.kv.layout import dtype_name
+from pdserve.kv.rendezvous import host_store
+from pdserve.model.engine_model import EngineModel
+from pdserve.rpc.server import ServiceServer
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 from prefill_service.engine import PrefillEngine
 from prefill_service.kv_registry import KvRegistry

@@ -12,11 +12,11 @@ from typing import Any
 
 import grpc
 
-from pdserve.engine_model import EngineModel, ForwardUnavailable
-from pdserve.kv_layout import KvLayout
-from pdserve.kv_transport import MIN_GENERATION_METADATA, TransferError
-from pdserve.rpc_errors import RpcError, abort
-from pdserve.sampling_proto import sampling_from_proto
+from pdserve.kv.channel import MIN_GENERATION_METADATA, TransferError
+from pdserve.kv.layout import KvLayout
+from pdserve.model.engine_model import EngineModel, ForwardUnavailable
+from pdserve.rpc.errors import RpcError, abort
+from pdserve.rpc.sampling_proto import sampling_from_proto
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 from prefill_service.engine import PrefillEngine
 from prefill_service.kv_registry import HANDLE_ID_BYTES, KvRegistry, ParkedKv

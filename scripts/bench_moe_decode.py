@@ -38,11 +38,11 @@ from decode_service.engine import DecodeEngine, DecodeSequence
 from decode_service.kv_pool import KvPool
 from decode_service.metrics import DecodeMetrics
 from pdserve.config import EngineConfig
-from pdserve.engine_model import EngineModel, load_engine_model, measure_kv_layout, resolve_dtype
-from pdserve.kv_layout import unpack
-from pdserve.model_limits import ModelLimits
-from pdserve.model_source import DEEPSEEK_MOE_16B_SHAPE
-from pdserve.sampling import SamplingParams
+from pdserve.core.limits import ModelLimits
+from pdserve.core.sampling import SamplingParams
+from pdserve.kv.layout import unpack
+from pdserve.model.engine_model import EngineModel, load_engine_model, measure_kv_layout, resolve_dtype
+from pdserve.model.source import DEEPSEEK_MOE_16B_SHAPE
 from prefill_service.engine import PrefillEngine, PrefillResult
 
 BLOCK_SIZE = 16
@@ -76,8 +76,8 @@ def build_model(args: argparse.Namespace) -> EngineModel:
             cache_dir=args.cache_dir,
         )
         return load_engine_model(engine)
-    from pdserve.tiny_presets import tiny_config
-    from pdserve.tiny_tokenizer import EOS_TOKEN, build_tokenizer
+    from pdserve.model.presets.tiny import tiny_config
+    from pdserve.model.presets.tiny_tokenizer import EOS_TOKEN, build_tokenizer
 
     tokenizer = build_tokenizer(model_max_length=4096)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)

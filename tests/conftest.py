@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.model_source import resolve_model_dir
+from pdserve.model.source import resolve_model_dir
 from tests.stack import Stack, scrape, wait_for
 
 torch.set_num_threads(1)
@@ -94,7 +94,7 @@ def leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
 def reference_models(cache_dir: Path) -> Callable[[str], tuple[Any, Any]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pdserve.model_source import resolve_model_dir
+    from pdserve.model.source import resolve_model_dir
 
     loaded: dict[str, tuple[Any, Any]] = {}
 

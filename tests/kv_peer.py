@@ -32,15 +32,8 @@ from typing import Any
 import grpc
 import torch
 
-from pdserve.kv_transport import (
-    DECODE_RANK,
-    MIN_GENERATION_METADATA,
-    PREFILL_RANK,
-    PairChannel,
-    connect_store,
-    host_store,
-    pair_prefix,
-)
+from pdserve.kv.channel import DECODE_RANK, MIN_GENERATION_METADATA, PREFILL_RANK, PairChannel
+from pdserve.kv.rendezvous import connect_store, host_store, pair_prefix
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from pdserve.kv_layout import KvLayout
-from pdserve.kv_transport import GLOO_STREAMS, MIN_CHUNK_BYTES
+from pdserve.kv.channel import GLOO_STREAMS, MIN_CHUNK_BYTES
+from pdserve.kv.layout import KvLayout
 from tests.stack import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(180)

@@ -1,4 +1,4 @@
-"""Unit tests of pdserve.config (validation) and pdserve.cli_options (flags, environment, defaults)."""
+"""Unit tests of pdserve.config (validation) and pdserve.config.flags (flags, environment, defaults)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from typing import Any
 
 import pytest
 
-from pdserve import cli_options
-from pdserve.cli_options import add_arguments, build, env_names, options
 from pdserve.config import (
     CPU_BATCH_TOKENS,
     CUDA_BATCH_TOKENS,
@@ -23,6 +21,8 @@ from pdserve.config import (
     ServerConfig,
     TransferConfig,
 )
+from pdserve.config import flags as cli_options
+from pdserve.config.flags import add_arguments, build, env_names, options
 
 ADDRS = {"prefill": ("127.0.0.1:1",), "decode": ("127.0.0.1:2",)}
 

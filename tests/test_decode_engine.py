@@ -15,8 +15,8 @@ from decode_service.engine import DecodeEngine, DecodeSequence
 from decode_service.kv_pool import KvPool
 from decode_service.metrics import DecodeMetrics
 from pdserve.config import EngineConfig
-from pdserve.engine_model import load_engine_model
-from pdserve.sampling import SamplingParams
+from pdserve.core.sampling import SamplingParams
+from pdserve.model.engine_model import load_engine_model
 from tests.test_equivalence import reference_tokens
 
 

@@ -16,15 +16,15 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, batched_mm_experts_forward
 
-from pdserve.deepseek_moe import DeepseekMoeConfig, DeepseekMoeForCausalLM
-from pdserve.deepseek_moe.random_checkpoint import (
+from pdserve.model.deepseek_moe import DeepseekMoeConfig, DeepseekMoeForCausalLM
+from pdserve.model.deepseek_moe.random_checkpoint import (
     INDEX_FILE,
     build_shape_preset,
     checkpoint_shapes,
     write_random_checkpoint,
 )
-from pdserve.model_source import DEEPSEEK_MOE_16B_SHAPE, PRESETS, resolve_model_dir
-from pdserve.tiny_presets import tiny_config
+from pdserve.model.presets.tiny import tiny_config
+from pdserve.model.source import DEEPSEEK_MOE_16B_SHAPE, PRESETS, resolve_model_dir
 from tests.grpc_client import generate_many, make_request
 from tests.test_equivalence import MAX_TOKENS, PROMPT_LENGTHS, divergence_report, reference_tokens
 

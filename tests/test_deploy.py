@@ -28,9 +28,8 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import psutil
 import pytest
 
-from pdserve import cli_options
-from pdserve.config import DecodeConfig, GatewayConfig, PrefillConfig
-from pdserve.health_client import poll_until_serving
+from pdserve.config import DecodeConfig, GatewayConfig, PrefillConfig, flags
+from pdserve.rpc.health_client import poll_until_serving
 from tests import deploy_tools
 from tests.grpc_client import generate_many, make_request
 from tests.stack import REPO_ROOT, free_port, scrape, service_env
@@ -84,7 +83,7 @@ def read_variables() -> dict[str, set[str]]:
     packages = ("pdserve", "prefill_service", "decode_service", "gateway")
     for path in (p for package in packages for p in (REPO_ROOT / package).rglob("*.py")):
         in_code.update(re.findall(r"environ(?:\.get\(|\[)\"(PDSERVE_[A-Z_]+)\"", path.read_text()))
-    return {name: set(cli_options.env_names(cls)) | in_code for name, cls in CONFIGS.items()}
+    return {name: set(flags.env_names(cls)) | in_code for name, cls in CONFIGS.items()}
 
 
 def parse_duration_s(text: str) -> float:
@@ -195,12 +194,12 @@ def assert_env_builds_a_config(start: Start) -> None:
     stands in)."""
     env = {k: v or "10.0.0.7" for k, v in start.env.items()}
     parser = argparse.ArgumentParser(exit_on_error=False)
-    cli_options.add_arguments(parser, CONFIGS[start.service], env)
+    flags.add_arguments(parser, CONFIGS[start.service], env)
     try:
         args = parser.parse_args(start.argv[2:])
     except argparse.ArgumentError as exc:
         raise AssertionError(f"{start.name}: `{' '.join(start.argv)}`: {exc}") from exc
-    cli_options.build(CONFIGS[start.service], args)
+    flags.build(CONFIGS[start.service], args)
 
 
 # --- Kubernetes ----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from pdserve.health_client import check
+from pdserve.rpc.health_client import check
 from pdserve.v1 import (
     decode_pb2,
     decode_pb2_grpc,

@@ -18,13 +18,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pdserve.config import EngineConfig
-from pdserve.deepseek_moe import DeepseekMoeConfig
-from pdserve.deepseek_moe.modeling import DeepseekMoeExperts
-from pdserve.engine_model import load_engine_model
 from pdserve.expert_parallel.all_to_all_dispatch import AllToAllDispatch
 from pdserve.expert_parallel.dispatch import ExpertShard
 from pdserve.expert_parallel.experts import ShardedExperts, shard_experts
 from pdserve.expert_parallel.rank_model import expert_parallel_model
+from pdserve.model.deepseek_moe import DeepseekMoeConfig
+from pdserve.model.deepseek_moe.modeling import DeepseekMoeExperts
+from pdserve.model.engine_model import load_engine_model
 from tests.stack import free_port
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K, SIZE = 16, 8, 8, 2, 2

@@ -24,8 +24,8 @@ from prometheus_client import CollectorRegistry
 
 from decode_service.kv_puller import KvPuller
 from decode_service.metrics import DecodeMetrics
-from pdserve.kv_layout import KvLayout, pack, unpack
-from pdserve.kv_transport import host_store
+from pdserve.kv.layout import KvLayout, pack, unpack
+from pdserve.kv.rendezvous import host_store
 from pdserve.v1 import (
     decode_pb2,
     decode_pb2_grpc,

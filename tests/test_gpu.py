@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine_model import load_engine_model
-from pdserve.kv_layout import pack, unpack
-from pdserve.kv_transport import PairChannel, connect_store, host_store, pair_prefix
+from pdserve.kv.channel import PairChannel
+from pdserve.kv.layout import pack, unpack
+from pdserve.kv.rendezvous import connect_store, host_store, pair_prefix
+from pdserve.model.engine_model import load_engine_model
 from tests.conftest import PRESETS
 from tests.grpc_client import generate_many, make_request
 from tests.stack import Stack, free_port
@@ -49,7 +50,7 @@ def test_stack_on_cuda_matches_generate(model_name: str, cache_dir: Path, tmp_pa
     """Prefill and decode on the GPU (KV staged through host memory over gloo on one GPU)."""
     from transformers import AutoModelForCausalLM
 
-    from pdserve.model_source import resolve_model_dir
+    from pdserve.model.source import resolve_model_dir
 
     device_args = ["--device", "cuda:0", "--dtype", "float32", "--kv-backend", "gloo"]
     stack = Stack(model_name, cache_dir, tmp_path, prefill_args=device_args, decode_args=device_args).start()
@@ -160,7 +161,7 @@ def test_ep_prefill_group_on_two_gpus(cache_dir: Path, tmp_path: Path) -> None:
     decode, the KV moving over gloo: greedy tokens equal to the plain model's."""
     from transformers import AutoModelForCausalLM
 
-    from pdserve.model_source import resolve_model_dir
+    from pdserve.model.source import resolve_model_dir
 
     model_name = "tiny-deepseek-moe"
     args = ["--device", "cuda", "--dtype", "float32", "--ep", "2"]

@@ -1,4 +1,4 @@
-"""Unit tests of pdserve.kv_layout: measuring a KV layout, packing a cache into one buffer, specs."""
+"""Unit tests of pdserve.kv.layout: measuring a KV layout, packing a cache into one buffer, specs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV2Config, DynamicCache, LlamaConfig
 
-from pdserve.kv_layout import (
+from pdserve.kv.layout import (
     ALIGN,
     KvLayout,
     TensorSpec,

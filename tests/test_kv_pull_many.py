@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry
 
 from decode_service.kv_puller import KvPuller
 from decode_service.metrics import DecodeMetrics
-from pdserve.kv_layout import KvLayout, pack
-from pdserve.kv_transport import host_store
-from pdserve.rpc_errors import RpcError
+from pdserve.kv.layout import KvLayout, pack
+from pdserve.kv.rendezvous import host_store
+from pdserve.rpc.errors import RpcError
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 from prefill_service.kv_registry import KvRegistry
 from prefill_service.kv_sender import KvSender

@@ -1,4 +1,4 @@
-"""Unit tests of pdserve.kv_transport: both sides of a PairChannel in one process.
+"""Unit tests of pdserve.kv.channel: both sides of a PairChannel in one process.
 
 Each channel runs its operations on its own worker thread, so the prefill side (rank 0, hosting
 the TCPStore) and the decode side (rank 1, a client of that store) can talk within one test.
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pdserve.kv_transport import (
+from pdserve.kv.channel import (
     DECODE_RANK,
     GLOO_STREAMS,
     MIN_CHUNK_BYTES,
@@ -23,11 +23,9 @@ from pdserve.kv_transport import (
     PairChannel,
     TransferError,
     chunks,
-    connect_store,
-    host_store,
-    pair_prefix,
     transfer_device,
 )
+from pdserve.kv.rendezvous import connect_store, host_store, pair_prefix
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -28,8 +28,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdserve import health_client, launcher
-from pdserve.launcher import LaunchSpec, Supervisor, UpConfig
+from pdserve.launch import supervisor as launcher
+from pdserve.launch.supervisor import LaunchSpec, Supervisor, UpConfig
+from pdserve.rpc import health_client
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
@@ -97,7 +98,7 @@ while True:
 # Runs a Supervisor over the fake children in its own process (for signal tests).
 RUNNER = r"""
 import json, sys
-from pdserve.launcher import Supervisor, UpConfig, service_command
+from pdserve.launch.supervisor import Supervisor, UpConfig, service_command
 
 config = UpConfig(**json.loads(sys.argv[1]))
 fake, log, behaviors = sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
@@ -339,11 +340,11 @@ def test_up_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = argparse.ArgumentParser()
     launcher.add_up_arguments(parser)
     args = parser.parse_args(["--demo", "--prefill-replicas", "2", "--port", "0"])
-    config = launcher.cli_options.build(UpConfig, args)
+    config = launcher.flags.build(UpConfig, args)
     assert config.demo is True
     assert (config.prefill_replicas, config.decode_replicas, config.port) == (2, 3, 0)
-    assert launcher.cli_options.build(UpConfig, parser.parse_args(["--demo", "false"])).demo is False
-    assert launcher.cli_options.build(UpConfig, parser.parse_args([])).demo is False
+    assert launcher.flags.build(UpConfig, parser.parse_args(["--demo", "false"])).demo is False
+    assert launcher.flags.build(UpConfig, parser.parse_args([])).demo is False
 
 
 def test_run_up_from_args_rejects_a_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
@@ -403,7 +404,7 @@ def test_startup_announces_one_ready_line_then_stops_cleanly(
 def test_a_dead_child_comes_back_on_the_same_ports(
     fakes: Fakes, running: Callable[[Supervisor], Running], caplog: pytest.LogCaptureFixture, name: str
 ) -> None:
-    caplog.set_level(logging.INFO, logger="pdserve.launcher")
+    caplog.set_level(logging.INFO, logger="pdserve.launch.supervisor")
     config = UpConfig(**FAST)
     supervisor = Supervisor(
         config,

@@ -16,8 +16,8 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from gateway.backends import prefill_pool
-from pdserve.grpc_server import ServiceServer
-from pdserve.rpc_errors import RpcError
+from pdserve.rpc.errors import RpcError
+from pdserve.rpc.server import ServiceServer
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import generate_many, make_request

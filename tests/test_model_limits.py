@@ -1,4 +1,4 @@
-"""Unit tests of pdserve.model_limits: what a request may ask of a model."""
+"""Unit tests of pdserve.core.limits: what a request may ask of a model."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 from transformers import LlamaConfig
 
-from pdserve.model_limits import ModelLimits
-from pdserve.sampling import SamplingParams
+from pdserve.core.limits import ModelLimits
+from pdserve.core.sampling import SamplingParams
 
 LIMITS = ModelLimits(vocab_size=100, max_model_len=10, eos_token_ids=frozenset({2}))
 

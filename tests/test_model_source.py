@@ -16,9 +16,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pdserve import model_source, smollm2, tiny_presets
-from pdserve.model_source import PRESETS, default_cache_dir, resolve_model_dir
-from pdserve.tiny_tokenizer import EOS_TOKEN, IM_END, IM_START, VOCAB_SIZE
+from pdserve.model import source as model_source
+from pdserve.model.presets import smollm2
+from pdserve.model.presets import tiny as tiny_presets
+from pdserve.model.presets.tiny_tokenizer import EOS_TOKEN, IM_END, IM_START, VOCAB_SIZE
+from pdserve.model.source import PRESETS, default_cache_dir, resolve_model_dir
 
 torch.set_num_threads(1)
 
@@ -203,7 +205,7 @@ def test_tiny_presets_are_deterministic_across_processes(tiny_cache: Path, tmp_p
     other = tmp_path / "other"
     proc = _run_python(
         f"""
-        from pdserve.model_source import resolve_model_dir
+        from pdserve.model.source import resolve_model_dir
         for name in {TINY!r}:
             resolve_model_dir(name, cache_dir={str(other)!r})
         """,
@@ -224,8 +226,8 @@ def test_concurrent_resolution_yields_one_directory(flock_works: bool, tmp_path:
     ready.mkdir()
     code = f"""
         import fcntl, hashlib, os, pathlib, time
-        import pdserve.tiny_presets
-        from pdserve.model_source import resolve_model_dir
+        import pdserve.model.presets.tiny
+        from pdserve.model.source import resolve_model_dir
 
         def no_locks(*args):
             raise OSError(37, "No locks available")

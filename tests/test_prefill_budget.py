@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine_model import load_engine_model
-from pdserve.sampling import SamplingParams
+from pdserve.core.sampling import SamplingParams
+from pdserve.model.engine_model import load_engine_model
 from prefill_service.engine import PrefillEngine
 from tests.test_equivalence import reference_tokens
 

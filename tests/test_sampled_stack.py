@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from pdserve.finish import finish_reason
-from pdserve.sampling import SamplingParams, sample
-from pdserve.sampling_proto import sampling_from_proto
+from pdserve.core.finish import finish_reason
+from pdserve.core.sampling import SamplingParams, sample
+from pdserve.rpc.sampling_proto import sampling_from_proto
 from pdserve.v1 import sampling_pb2
 from tests.conftest import StackPool
 from tests.grpc_client import generate_many, make_request, run

@@ -1,4 +1,4 @@
-"""Unit tests of pdserve.sampling, pdserve.finish and pdserve.sampling_proto."""
+"""Unit tests of pdserve.core.sampling, pdserve.core.finish and pdserve.rpc.sampling_proto."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.finish import EOS, LENGTH, STOP, finish_reason
-from pdserve.sampling import SamplingParams, mix_seed, sample
-from pdserve.sampling_proto import sampling_from_proto, sampling_to_proto
+from pdserve.core.finish import EOS, LENGTH, STOP, finish_reason
+from pdserve.core.sampling import SamplingParams, mix_seed, sample
+from pdserve.rpc.sampling_proto import sampling_from_proto, sampling_to_proto
 from pdserve.v1 import sampling_pb2
 
 

@@ -6,7 +6,7 @@ import torch
 
 from decode_service.kv_pool import KvPool
 from decode_service.step_cache import CAPACITY_STEP, MIN_ROWS, BatchContext
-from pdserve.kv_layout import KvLayout
+from pdserve.kv.layout import KvLayout
 
 # Two layers; the second caches keys and values of different widths (as MLA models do).
 LAYOUT = KvLayout(keys=((2, 4), (1, 6)), values=((2, 4), (1, 3)), dtype=torch.float32)

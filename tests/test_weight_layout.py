@@ -8,9 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pdserve.config import EngineConfig
-from pdserve.engine_model import load_engine_model
-from pdserve.tiny_presets import INITIALIZER_RANGE, SEED, fill_portable, tiny_config
-from pdserve.weight_layout import prefers_input_major, store_linear_weights_input_major
+from pdserve.model.engine_model import load_engine_model
+from pdserve.model.presets.tiny import INITIALIZER_RANGE, SEED, fill_portable, tiny_config
+from pdserve.model.weight_layout import prefers_input_major, store_linear_weights_input_major
 
 
 def _llama(tied: bool) -> torch.nn.Module:

@@ -29,7 +29,7 @@ def load_tokenizer(spec: str) -> Any:
     """A transformers tokenizer from a directory or pdserve preset; None when ``spec`` names neither."""
     from transformers import AutoTokenizer
 
-    from pdserve.model_source import PRESETS, resolve_model_dir
+    from pdserve.model.source import PRESETS, resolve_model_dir
 
     path = Path(spec).expanduser()
     if spec and path.is_dir():

@@ -16,19 +16,19 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from pdserve import cli_options
 from pdserve.bench.config import BenchConfig
+from pdserve.config import flags
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per ``BenchConfig`` field; boolean flags also work bare (``--json``)."""
-    cli_options.add_arguments(parser, BenchConfig)
+    flags.add_arguments(parser, BenchConfig)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     """``pdserve bench``: 0 when at least one request completed, 1 otherwise, 2 on bad flags."""
     try:
-        config = cli_options.build(BenchConfig, args)
+        config = flags.build(BenchConfig, args)
     except ValueError as error:
         print(f"pdserve bench: {error}", file=sys.stderr)
         return 2

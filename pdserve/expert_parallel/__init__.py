@@ -6,6 +6,8 @@ data-parallel (each rank runs its own requests), MoE layers exchanging tokens by
   the sharding of a model's experts by rank;
 - ``all_to_all_dispatch`` / ``deepep_dispatch``: how tokens reach their experts' rank and back;
 - ``lockstep``: every rank runs one forward per tick, a filler when it has no work;
-- ``rank_router``: rank 0's public servicers, which hand each call to a rank;
-- ``group_service``: running a prefill, decode or colocated service as such a group.
+- ``rank_model``: one rank's model, its forwards run through the lockstep.
+
+Running a service as such a group (``pdserve.hosting.ep_service``) and rank 0's routers
+(``pdserve.hosting.rank_router``) live with the hosting code.
 """

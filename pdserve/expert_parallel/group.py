@@ -28,10 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pdserve import cli_options
-from pdserve.config import EngineConfig
-from pdserve.kv_transport import connect_store, host_store
-from pdserve.launch_spec import with_parent_death_signal
+from pdserve.config import EngineConfig, flags
+from pdserve.core.processes import with_parent_death_signal
+from pdserve.kv.rendezvous import connect_store, host_store
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ class EpGroup:
         master = f"{connect_host(host)}:{store.port}"
         followers = []
         for rank in range(1, engine.ep):
-            args = cli_options.to_args(config_cls, config, ep_rank=rank, ep_master=master, **PORT_OVERRIDES)
+            args = flags.to_args(config_cls, config, ep_rank=rank, ep_master=master, **PORT_OVERRIDES)
             followers.append(
                 subprocess.Popen(
                     with_parent_death_signal([sys.executable, "-m", "pdserve", command, *args], os.getpid()),

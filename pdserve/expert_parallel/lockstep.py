@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from pdserve.engine_model import ForwardUnavailable
+from pdserve.model.engine_model import ForwardUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine_model import EngineModel
 from pdserve.expert_parallel.all_to_all_dispatch import AllToAllDispatch
 from pdserve.expert_parallel.dispatch import Dispatch, ExpertShard
 from pdserve.expert_parallel.experts import shard_experts
 from pdserve.expert_parallel.lockstep import Lockstep
+from pdserve.model.engine_model import EngineModel
 
 
 @dataclass(frozen=True)

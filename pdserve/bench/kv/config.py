@@ -1,0 +1,94 @@
+"""Settings of ``pdserve bench-kv`` (flags and ``PDSERVE_*`` variables come from these fields).
+
+The default cache shape is DeepSeekMoE-16B's: 28 layers, 16 KV heads of 128 dims for keys and
+for values, bfloat16: 224 KiB per token.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pdserve.config import BACKENDS
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.kv.layout import KvLayout
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class BenchKvConfig:
+    tokens: tuple[str, ...] = field(
+        default=("128", "512", "2048", "8192"),
+        metadata={"help": "KV sizes to move, in tokens (comma-separated)"},
+    )
+    layers: int = field(default=28, metadata={"help": "layers of the cache"})
+    kv_heads: int = field(default=16, metadata={"help": "KV heads per layer"})
+    head_dim: int = field(default=128, metadata={"help": "dims per head (keys and values)"})
+    dtype: str = field(default="bfloat16", metadata={"help": "dtype of the cache"})
+    device: str = field(
+        default="cpu", metadata={"help": "device of the cache on both sides, e.g. cpu or cuda:0"}
+    )
+    peer_device: str = field(default="", metadata={"help": "device of the receiving side ('' = --device)"})
+    backend: str = field(default="auto", metadata={"help": "gloo, nccl, or auto (by device)"})
+    repeat: int = field(default=5, metadata={"help": "timed runs per size (after one warm-up run)"})
+    threads: int = field(default=1, metadata={"help": "intra-op torch threads of each process"})
+    timeout_s: float = field(default=120.0, metadata={"help": "bound on every transfer and wait"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address both processes use"})
+    json: bool = field(default=False, metadata={"help": "print one JSON object per size instead of a table"})
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            raise ValueError("tokens must name at least one size")
+        for text in self.tokens:
+            if not text.isdigit() or int(text) < 1:
+                raise ValueError(f"tokens must be positive integers, got {text!r}")
+        for name in ("layers", "kv_heads", "head_dim", "repeat", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("device", "peer_device"):
+            value = getattr(self, name)
+            if (value or name == "device") and not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+                raise ValueError(f"{name} must be cpu or cuda[:N], got {value!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend_name == "nccl" and not (
+            self.device.startswith("cuda") and self.receiver_device.startswith("cuda")
+        ):
+            raise ValueError("the nccl backend needs CUDA devices on both sides")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
+
+    @property
+    def token_counts(self) -> list[int]:
+        return [int(t) for t in self.tokens]
+
+    @property
+    def receiver_device(self) -> str:
+        return self.peer_device or self.device
+
+    @property
+    def backend_name(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if self.device.startswith("cuda") else "gloo"
+
+    def layout(self) -> KvLayout:
+        from pdserve.kv.layout import KvLayout
+
+        heads = ((self.kv_heads, self.head_dim),) * self.layers
+        return KvLayout(keys=heads, values=heads, dtype=self.torch_dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype

@@ -1,0 +1,32 @@
+"""Configuration: the services' frozen config dataclasses, their checks, and the flags and
+environment variables derived from them."""
+
+from pdserve.config.services import (
+    BACKENDS,
+    CPU_BATCH_TOKENS,
+    CUDA_BATCH_TOKENS,
+    DEFAULT_MODEL,
+    DTYPES,
+    ColocatedConfig,
+    DecodeConfig,
+    EngineConfig,
+    GatewayConfig,
+    PrefillConfig,
+    ServerConfig,
+    TransferConfig,
+)
+
+__all__ = [
+    "BACKENDS",
+    "CPU_BATCH_TOKENS",
+    "CUDA_BATCH_TOKENS",
+    "DEFAULT_MODEL",
+    "DTYPES",
+    "ColocatedConfig",
+    "DecodeConfig",
+    "EngineConfig",
+    "GatewayConfig",
+    "PrefillConfig",
+    "ServerConfig",
+    "TransferConfig",
+]

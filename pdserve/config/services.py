@@ -1,0 +1,280 @@
+"""Typed, frozen configuration of the three services; the CLI takes its flags and defaults from here.
+
+Every field is also read from the environment as ``PDSERVE_<FIELD NAME IN UPPER CASE>`` (see
+``pdserve.config.flags``), so a flag, an environment variable and a field are one setting.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+BACKENDS = ("auto", "gloo", "nccl")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _check_port(name: str, value: int) -> None:
+    if not 0 <= value <= 65535:
+        raise ValueError(f"{name} must be in [0, 65535] (0 picks a free port), got {value}")
+
+
+def _check_address(name: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(
+            f"{name} addresses must look like HOST:PORT with a port in [1, 65535], got {value!r}"
+        )
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How a prefill or decode process loads and runs its model."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "model directory or preset name"})
+    device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda:0"})
+    dtype: str = field(
+        default="auto", metadata={"help": "weights dtype; auto: float32 on CPU, the model's on CUDA"}
+    )
+    threads: int = field(default=1, metadata={"help": "intra-op torch threads on CPU"})
+    max_model_len: int = field(default=0, metadata={"help": "context limit; 0 takes the model's"})
+    cache_dir: str = field(
+        default="", metadata={"help": "where presets are built (default ~/.cache/pdserve)"}
+    )
+    compile: bool = field(
+        default=False,
+        metadata={
+            "help": "torch.compile the engine's forwards (inductor, dynamic shapes; warmed up at start-up)"
+        },
+    )
+    ep: int = field(
+        default=1,
+        metadata={
+            "help": "expert-parallel ranks: the service runs as this many processes (cuda: one GPU each)"
+        },
+    )
+    ep_timeout_s: float = field(
+        default=30.0, metadata={"help": "bound on every wait of the expert-parallel group"}
+    )
+    ep_rank: int = field(default=0, metadata={"help": "this process's rank (set by rank 0 for the others)"})
+    ep_master: str = field(
+        default="", metadata={"help": "HOST:PORT of rank 0's group store (set by rank 0 for the others)"}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must not be empty")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if self.ep < 1:
+            raise ValueError(f"ep must be >= 1, got {self.ep}")
+        _check_positive("ep_timeout_s", self.ep_timeout_s)
+        if not 0 <= self.ep_rank < self.ep:
+            raise ValueError(f"ep_rank must be in [0, ep) = [0, {self.ep}), got {self.ep_rank}")
+        if self.ep_rank > 0 and not self.ep_master:
+            raise ValueError("ep_master must be set on ranks other than 0")
+        if self.ep_master:
+            _check_address("ep_master", self.ep_master)
+
+    @property
+    def rank_device(self) -> str:
+        """This rank's device: rank r of a cuda group takes the r-th GPU from the configured one."""
+        if self.ep == 1 or not self.device.startswith("cuda"):
+            return self.device
+        _, _, index = self.device.partition(":")
+        return f"cuda:{int(index or 0) + self.ep_rank}"
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """The KV handoff between a prefill and a decode process."""
+
+    kv_backend: str = field(default="auto", metadata={"help": "gloo, nccl, or auto (by device)"})
+    transfer_timeout_s: float = field(default=30.0, metadata={"help": "bound on every KV transfer wait"})
+
+    def __post_init__(self) -> None:
+        if self.kv_backend not in BACKENDS:
+            raise ValueError(f"kv_backend must be one of {BACKENDS}, got {self.kv_backend!r}")
+        _check_positive("transfer_timeout_s", self.transfer_timeout_s)
+
+    def backend_for(self, device: str) -> str:
+        if self.kv_backend != "auto":
+            return self.kv_backend
+        return "nccl" if device.startswith("cuda") else "gloo"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where a service listens."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    advertise_host: str = field(
+        default="",
+        metadata={"help": "name or address peers reach this service by (ready line, KV handles); '' = host"},
+    )
+    port: int = field(default=0, metadata={"help": "gRPC port (0 picks a free one)"})
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus metrics port (0 picks a free one)"})
+    grace_s: float = field(default=5.0, metadata={"help": "drain time on SIGTERM"})
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must not be empty")
+        if any(c.isspace() or c == "," for c in self.advertise_host):
+            raise ValueError(f"advertise_host must be one host name or address, got {self.advertise_host!r}")
+        _check_port("port", self.port)
+        _check_port("metrics_port", self.metrics_port)
+        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
+            raise ValueError(f"grace_s must be a finite number >= 0, got {self.grace_s}")
+
+    @property
+    def public_host(self) -> str:
+        """The host other processes use to reach this service."""
+        return self.advertise_host or self.host
+
+
+# The prefill's token budget by device. On CPU a forward takes time in proportion to its tokens, and
+# every request of a batch waits for the whole forward: smaller batches give earlier first tokens
+# and let the decode start on them while the prefill goes on. A CPU core's GEMMs are near their
+# peak from a few hundred rows on (within 5% of 2048 rows at 256). A GPU runs larger batches at
+# little extra time.
+CPU_BATCH_TOKENS = 512
+CUDA_BATCH_TOKENS = 8192
+MAX_BATCH_TOKENS_HELP = (
+    "token budget of one batched prefill forward (batch x longest prompt); "
+    f"0: {CPU_BATCH_TOKENS} on CPU, {CUDA_BATCH_TOKENS} on CUDA"
+)
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    kv_port: int = field(default=0, metadata={"help": "port of the KV rendezvous store (0 picks a free one)"})
+    lease_s: float = field(default=30.0, metadata={"help": "seconds a parked KV waits to be pulled"})
+    max_batch_tokens: int = field(default=0, metadata={"help": MAX_BATCH_TOKENS_HELP})
+
+    def __post_init__(self) -> None:
+        _check_port("kv_port", self.kv_port)
+        _check_positive("lease_s", self.lease_s)
+        if self.max_batch_tokens < 0:
+            raise ValueError(f"max_batch_tokens must be >= 0 (0: by device), got {self.max_batch_tokens}")
+
+    @property
+    def batch_tokens(self) -> int:
+        """The prefill's token budget: ``max_batch_tokens``, or the device's default when 0."""
+        if self.max_batch_tokens:
+            return self.max_batch_tokens
+        return CPU_BATCH_TOKENS if self.engine.device == "cpu" else CUDA_BATCH_TOKENS
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    max_running: int = field(default=64, metadata={"help": "most requests decoding at once"})
+    max_kv_tokens: int = field(default=65536, metadata={"help": "KV pool size of the decode, in tokens"})
+    kv_block_size: int = field(default=16, metadata={"help": "tokens per KV pool block"})
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
+        if self.kv_block_size < 1:
+            raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+        if self.max_kv_tokens < self.kv_block_size:
+            raise ValueError(
+                f"max_kv_tokens must be >= kv_block_size ({self.kv_block_size}), got {self.max_kv_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class ColocatedConfig:
+    """Prefill and decode in one process sharing one model: the KV is handed over in memory."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    prefill_metrics_port: int = field(default=0, metadata={"help": "metrics port of the prefill side"})
+    kv_port: int = field(default=0, metadata={"help": "port of the KV rendezvous store (0 picks a free one)"})
+    lease_s: float = field(default=30.0, metadata={"help": "seconds a parked KV waits to be pulled"})
+    max_batch_tokens: int = field(default=0, metadata={"help": MAX_BATCH_TOKENS_HELP})
+    max_running: int = field(default=64, metadata={"help": "most requests decoding at once"})
+    max_kv_tokens: int = field(default=65536, metadata={"help": "KV pool size of the decode, in tokens"})
+    kv_block_size: int = field(default=16, metadata={"help": "tokens per KV pool block"})
+
+    def __post_init__(self) -> None:
+        _check_port("prefill_metrics_port", self.prefill_metrics_port)
+        self.prefill_config()
+        self.decode_config()
+
+    def prefill_config(self) -> PrefillConfig:
+        return PrefillConfig(
+            server=replace(self.server, metrics_port=self.prefill_metrics_port),
+            engine=self.engine,
+            transfer=self.transfer,
+            kv_port=self.kv_port,
+            lease_s=self.lease_s,
+            max_batch_tokens=self.max_batch_tokens,
+        )
+
+    def decode_config(self) -> DecodeConfig:
+        return DecodeConfig(
+            server=self.server,
+            engine=self.engine,
+            transfer=self.transfer,
+            max_running=self.max_running,
+            max_kv_tokens=self.max_kv_tokens,
+            kv_block_size=self.kv_block_size,
+        )
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50051))
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "model directory or preset (tokenizer)"})
+    cache_dir: str = field(
+        default="", metadata={"help": "where presets are built (default ~/.cache/pdserve)"}
+    )
+    max_model_len: int = field(default=0, metadata={"help": "context limit; 0 takes the model's"})
+    prefill: tuple[str, ...] = field(default=(), metadata={"help": "prefill gRPC addresses (HOST:PORT,...)"})
+    decode: tuple[str, ...] = field(default=(), metadata={"help": "decode gRPC addresses (HOST:PORT,...)"})
+    http_port: int = field(
+        default=-1, metadata={"help": "OpenAI-compatible HTTP port (-1 turns it off, 0 picks a free one)"}
+    )
+    served_model_name: str = field(
+        default="", metadata={"help": "model id of the HTTP API (default: the --model value)"}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.prefill:
+            raise ValueError("at least one prefill address is required (--prefill / PDSERVE_PREFILL)")
+        if not self.decode:
+            raise ValueError("at least one decode address is required (--decode / PDSERVE_DECODE)")
+        for address in self.prefill:
+            _check_address("prefill", address)
+        for address in self.decode:
+            _check_address("decode", address)
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(
+                f"http_port must be -1 (off) or in [0, 65535] (0 picks a free port), got {self.http_port}"
+            )
+
+    @property
+    def model_id(self) -> str:
+        """The model id the HTTP API serves and accepts."""
+        return self.served_model_name or self.model

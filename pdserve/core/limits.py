@@ -1,0 +1,52 @@
+"""What a request may ask of a model: vocabulary, context length, end-of-sequence ids."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.core.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+    @classmethod
+    def from_config(cls, config: Any, max_model_len: int, eos_token_ids: frozenset[int]) -> ModelLimits:
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        model_len = int(getattr(text_config, "max_position_embeddings", 0) or 0)
+        if max_model_len:
+            model_len = min(model_len, max_model_len) if model_len else max_model_len
+        if model_len <= 0:
+            raise ValueError("the model config has no max_position_embeddings; set max_model_len")
+        return cls(int(text_config.vocab_size), model_len, eos_token_ids)
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raises ValueError naming the field when the request does not fit this model."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        for i, token in enumerate(prompt_token_ids):
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(
+                    f"prompt_token_ids[{i}] = {token} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        for token in params.stop_token_ids:
+            if token >= self.vocab_size:
+                raise ValueError(
+                    f"sampling.stop_token_ids has {token}, outside the vocabulary [0, {self.vocab_size})"
+                )
+        num_prompt = len(prompt_token_ids)
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {num_prompt} tokens; the model's context is {self.max_model_len} "
+                "(the prompt must leave room for at least one new token)"
+            )
+        if num_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"sampling.max_tokens = {params.max_tokens} is beyond the context: prompt ({num_prompt}) "
+                f"+ max_tokens must be <= {self.max_model_len}"
+            )

@@ -1,0 +1,166 @@
+"""Runs a prefill, decode or colocated service as an expert-parallel group of ``--ep`` ranks.
+
+Every rank loads the model, keeps its own experts, builds the service's real parts (engines,
+registry, puller...) and serves them on an internal gRPC server of its own; its forwards run in
+lockstep with the other ranks. Rank 0 also serves the public address: health, reflection and the
+routers that hand each call to a rank (``rank_router``). Its ready line lists every rank.
+
+With ``--compile`` every rank warms up its engines once the lockstep runs, before rank 0 announces
+ready (it waits for every rank's mark). Each warm-up forward is one of the rank's forwards at a
+tick of the group; a rank with none of its own at that tick runs the filler, so the ranks stay in
+step whatever each of them runs.
+
+Ends:
+- SIGTERM/SIGINT on rank 0: the public server drains (calls in flight, on any rank, finish), then
+  the lockstep stops on every rank, and every process exits 0;
+- a rank dies or a group wait times out: the lockstep breaks on the others within the bound; every
+  forward waiting or to come fails (their calls end with UNAVAILABLE), rank 0 reports NOT_SERVING
+  for the grace period, and every process exits 1 so its supervisor starts the group again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from typing import Any
+
+from pdserve.expert_parallel.ep_metrics import register_ep_metrics
+from pdserve.expert_parallel.group import EpGroup
+from pdserve.expert_parallel.lockstep import Lockstep
+from pdserve.expert_parallel.rank_model import expert_parallel_model
+from pdserve.hosting.rank_router import DecodeRouter, PrefillRouter, RankChannels
+from pdserve.hosting.service_kind import RankParts, ServiceKind
+from pdserve.model.engine_model import ForwardUnavailable, load_engine_model
+from pdserve.rpc.server import ServiceServer, announce_ready
+from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+LOCKSTEP_POLL_S = 0.05
+JOIN_TIMEOUT_S = 30.0
+
+
+async def serve_group(kind: ServiceKind, config: Any) -> None:
+    engine = config.engine
+    server_config = config.server
+    rank = engine.ep_rank
+    if rank:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is rank 0's to handle
+    if rank == 0:
+        group = await asyncio.to_thread(
+            EpGroup.lead, kind.command, kind.config_cls, config, server_config.host
+        )
+    else:
+        group = await asyncio.to_thread(EpGroup.join, engine)
+    failed = True
+    try:
+        failed = await _serve_rank(kind, config, group)
+    finally:
+        await asyncio.to_thread(group.close)
+    if failed:
+        raise SystemExit(1)
+
+
+async def _warm_up(parts: RankParts, group: EpGroup, lockstep: Lockstep, stop: asyncio.Event) -> None:
+    """Warms up this rank's engines; rank 0 then waits until every rank has (or the group ended)."""
+    with contextlib.suppress(ForwardUnavailable):  # the group broke: the caller sees lockstep.ended
+        await asyncio.to_thread(parts.warm_up)
+        group.mark_warm()
+    if group.rank == 0:
+        while not group.all_warm() and not lockstep.ended.is_set() and not stop.is_set():
+            await asyncio.sleep(LOCKSTEP_POLL_S)
+
+
+async def _serve_rank(kind: ServiceKind, config: Any, group: EpGroup) -> bool:
+    """Serves until the group ends; True when it ended by failure."""
+    server_config = config.server
+    host = server_config.public_host
+    loaded = await asyncio.to_thread(load_engine_model, config.engine)
+    try:
+        rank_model = expert_parallel_model(loaded, group.rank, group.size)
+    except ValueError as exc:  # the model cannot be split this way: a usage error, not a crash
+        logger.error("pdserve %s --ep %d: %s", kind.command, group.size, exc)
+        raise SystemExit(2) from None
+    internal = kind.server(server_config, 0)  # rank 0's public port is for its routers
+    parts = kind.build(config, rank_model.engine_model, internal, group.rank)
+    lockstep = rank_model.lockstep
+    lockstep.track_busy(parts.busy)
+    register_ep_metrics(parts.metrics[0][1], group.rank, group.size, lockstep, rank_model.dispatch)
+    metrics_servers = parts.serve_metrics(server_config.host)
+    await internal.start()
+    tasks = [asyncio.create_task(run()) for run in parts.background]
+    public: ServiceServer | None = None
+    ranks: RankChannels | None = None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Rank 0 drains on SIGTERM or SIGINT; the others leave SIGINT (a terminal's Ctrl-C) to rank 0.
+    signals = (signal.SIGTERM, signal.SIGINT) if group.rank == 0 else (signal.SIGTERM,)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        info: dict[str, Any] = {
+            "rank": group.rank,
+            "pid": os.getpid(),
+            "grpc": internal.address,
+            **{key: f"{host}:{server.port}" for key, server in metrics_servers.items()},
+            **parts.ready,
+        }
+        group.publish(info)
+        if group.rank == 0:
+            infos = await asyncio.to_thread(group.gather)
+        else:
+            await asyncio.to_thread(group.wait_for_go)
+        await asyncio.to_thread(group.form, rank_model.engine_model.device)
+        lockstep.start()
+        logger.info("expert-parallel rank %d of %d in step", group.rank, group.size)
+        if rank_model.engine_model.compiled:
+            await _warm_up(parts, group, lockstep, stop)
+        if group.rank == 0:
+            public = kind.server(server_config, server_config.port)
+            ranks = RankChannels([i["grpc"] for i in infos])
+            if kind.routes_prefill:
+                prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillRouter(ranks), public.server)
+            if kind.routes_decode:
+                decode_pb2_grpc.add_DecodeServicer_to_server(
+                    DecodeRouter(ranks, kind.decode_by_handle_rank), public.server
+                )
+            await public.start()
+            own = {k: v for k, v in info.items() if k not in ("rank", "pid", "grpc")}
+            announce_ready(kind.command, grpc=public.address, **own, ranks=infos)
+        while not stop.is_set() and not lockstep.ended.is_set():
+            await asyncio.sleep(LOCKSTEP_POLL_S)
+        failed = False
+        if stop.is_set():
+            if public is not None:
+                logger.info("draining expert-parallel %s (grace %.1fs)", kind.command, server_config.grace_s)
+                # Waits for what every rank holds: a decode pulls KV from the rank that parked it.
+                await public.drain(server_config.grace_s, busy=lambda: max(parts.busy(), lockstep.group_busy))
+            lockstep.stop()  # on a rank other than 0, this stops the whole group
+            await asyncio.to_thread(lockstep.join, JOIN_TIMEOUT_S)
+        else:
+            failed = lockstep.failure is not None
+            logger.log(
+                logging.ERROR if failed else logging.INFO,
+                "expert-parallel group ended: %s",
+                lockstep.failure or "stopped by another rank",
+            )
+            if public is not None:
+                await public.fail(server_config.grace_s)
+        return failed
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        lockstep.stop()
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if ranks is not None:
+            await ranks.close()
+        await internal.server.stop(0)
+        await parts.close()
+        for server in metrics_servers.values():
+            server.close()

@@ -1,0 +1,1 @@
+"""`pdserve up`: the stack as supervised child processes."""

@@ -1,0 +1,242 @@
+"""What ``pdserve up`` runs: its configuration, each child's launch spec and command line, and the
+ready line a child prints when it serves."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve.config import DEFAULT_MODEL
+
+PREFILL = "prefill"
+DECODE = "decode"
+GATEWAY = "gateway"
+COLOCATED = "colocated"
+ROLES = (PREFILL, DECODE, GATEWAY, COLOCATED)
+MODES = ("disaggregated", "colocated")
+
+
+def _check_port(name: str, value: int) -> None:
+    if not 0 <= value <= 65535:
+        raise ValueError(f"{name} must be in [0, 65535] (0 picks a free port), got {value}")
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """What ``pdserve up`` runs and how it supervises it."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "model directory or preset name"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address every service binds and advertises"})
+    port: int = field(default=50051, metadata={"help": "gateway gRPC port (0 picks a free one)"})
+    http_port: int = field(
+        default=-1,
+        metadata={"help": "gateway OpenAI-compatible HTTP port (-1 turns it off, 0 picks a free one)"},
+    )
+    device: str = field(default="cpu", metadata={"help": "torch device of the replicas, e.g. cpu or cuda:0"})
+    threads: int = field(default=1, metadata={"help": "intra-op torch threads of each replica on CPU"})
+    cache_dir: str = field(
+        default="", metadata={"help": "where presets are built (default ~/.cache/pdserve)"}
+    )
+    mode: str = field(
+        default="disaggregated",
+        metadata={
+            "help": "disaggregated (prefill and decode processes) or colocated (one process, no transfer)"
+        },
+    )
+    prefill_replicas: int = field(
+        default=1, metadata={"help": "number of prefill processes (colocated: of prefill+decode processes)"}
+    )
+    decode_replicas: int = field(default=1, metadata={"help": "number of decode processes"})
+    prefill_ep: int = field(
+        default=1,
+        metadata={"help": "expert-parallel ranks (processes) of each prefill (colocated: of each service)"},
+    )
+    decode_ep: int = field(default=1, metadata={"help": "expert-parallel ranks (processes) of each decode"})
+    compile: bool = field(
+        default=False,
+        metadata={"help": "engines run their forwards through torch.compile (compiled at start-up)"},
+    )
+    max_restarts: int = field(
+        default=5, metadata={"help": "give up when one child dies more often than this within the window"}
+    )
+    restart_window_s: float = field(default=60.0, metadata={"help": "window of max_restarts, in seconds"})
+    restart_backoff_s: float = field(
+        default=1.0, metadata={"help": "delay before the first restart; doubles with each recent death"}
+    )
+    restart_backoff_max_s: float = field(default=30.0, metadata={"help": "cap of the restart delay"})
+    startup_timeout_s: float = field(
+        default=300.0,
+        metadata={"help": "bound on startup until every service is SERVING (first model conversion ~1 min)"},
+    )
+    shutdown_timeout_s: float = field(
+        default=15.0, metadata={"help": "on SIGINT/SIGTERM, time the children get before SIGKILL"}
+    )
+    demo: bool = field(default=False, metadata={"help": "once up, stream one demo request to stderr"})
+    demo_prompt: str = field(
+        default="What is the capital of France?", metadata={"help": "user message of the demo request"}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must not be empty")
+        if not self.host:
+            raise ValueError("host must not be empty")
+        _check_port("port", self.port)
+        if not -1 <= self.http_port <= 65535:
+            raise ValueError(
+                f"http_port must be -1 (off) or in [0, 65535] (0 picks a free port), got {self.http_port}"
+            )
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.prefill_replicas < 1:
+            raise ValueError(f"prefill_replicas must be >= 1, got {self.prefill_replicas}")
+        if self.decode_replicas < 1:
+            raise ValueError(f"decode_replicas must be >= 1, got {self.decode_replicas}")
+        if self.prefill_ep < 1 or self.decode_ep < 1:
+            raise ValueError(
+                f"prefill_ep and decode_ep must be >= 1, got {self.prefill_ep} and {self.decode_ep}"
+            )
+        if self.mode == "colocated" and self.decode_ep not in (1, self.prefill_ep):
+            raise ValueError(
+                "in colocated mode --prefill-ep sizes each service's group; --decode-ep must be 1 or equal to it"
+            )
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if not self.restart_window_s > 0:
+            raise ValueError(f"restart_window_s must be > 0, got {self.restart_window_s}")
+        if not self.restart_backoff_s > 0:
+            raise ValueError(f"restart_backoff_s must be > 0, got {self.restart_backoff_s}")
+        if not self.restart_backoff_max_s >= self.restart_backoff_s:
+            raise ValueError(
+                f"restart_backoff_max_s must be >= restart_backoff_s ({self.restart_backoff_s}), "
+                f"got {self.restart_backoff_max_s}"
+            )
+        if not self.startup_timeout_s > 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.demo and not self.demo_prompt:
+            raise ValueError("demo_prompt must not be empty when demo is on")
+
+    def restart_delay_s(self, recent_deaths: int) -> float:
+        """Backoff before restarting a child that died ``recent_deaths`` times in the window."""
+        exponent = min(max(recent_deaths - 1, 0), 62)
+        return float(min(self.restart_backoff_s * 2**exponent, self.restart_backoff_max_s))
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How one child is started. Ports are 0 (free-chosen) until its first ready line pins them."""
+
+    role: str
+    index: int = 0
+    port: int = 0
+    metrics_port: int = 0
+    kv_port: int = 0
+    prefill_metrics_port: int = 0
+    http_port: int = -1
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+
+    @property
+    def name(self) -> str:
+        return GATEWAY if self.role == GATEWAY else f"{self.role}-{self.index}"
+
+
+CommandBuilder = Callable[[LaunchSpec], Sequence[str]]
+HealthCheck = Callable[[str, float], None]
+
+
+def service_command(config: UpConfig, spec: LaunchSpec) -> list[str]:
+    """The real command line of a child: ``python -m pdserve ROLE ...``."""
+    command = [sys.executable, "-m", "pdserve", spec.role, "--model", config.model, "--host", config.host]
+    command += ["--port", str(spec.port), "--metrics-port", str(spec.metrics_port)]
+    if spec.role == GATEWAY:
+        command += ["--prefill", ",".join(spec.prefill), "--decode", ",".join(spec.decode)]
+        command += ["--http-port", str(spec.http_port)]
+    else:
+        command += ["--device", config.device, "--threads", str(config.threads)]
+        command += ["--ep", str(config.decode_ep if spec.role == DECODE else config.prefill_ep)]
+        if config.compile:
+            command += ["--compile", "true"]
+    if spec.role in (PREFILL, COLOCATED):
+        command += ["--kv-port", str(spec.kv_port)]
+    if spec.role == COLOCATED:
+        command += ["--prefill-metrics-port", str(spec.prefill_metrics_port)]
+    if config.cache_dir:
+        command += ["--cache-dir", config.cache_dir]
+    return command
+
+
+def parse_ready_line(line: str) -> dict[str, Any] | None:
+    """The addresses of a child's ready line (``ready``/``service`` keys dropped), or None.
+
+    A ready line is a JSON object with ``"ready": true`` and a string ``"grpc"`` address.
+    """
+    text = line.strip()
+    if not text.startswith("{"):
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if (
+        not isinstance(value, dict)
+        or value.get("ready") is not True
+        or not isinstance(value.get("grpc"), str)
+    ):
+        return None
+    return {key: item for key, item in value.items() if key not in ("ready", "service")}
+
+
+def port_of(address: object) -> int:
+    """The port of ``HOST:PORT``; 0 when there is none."""
+    if not isinstance(address, str):
+        return 0
+    port = address.rpartition(":")[2]
+    return int(port) if port.isdigit() else 0
+
+
+def pin_ports(spec: LaunchSpec, info: Mapping[str, Any]) -> LaunchSpec:
+    """``spec`` with the ports a child announced, so that a restart comes back on the same ones."""
+    return dataclasses.replace(
+        spec,
+        port=port_of(info.get("grpc")),
+        metrics_port=port_of(info.get("metrics")),
+        kv_port=port_of(info.get("kv_rendezvous")),
+        prefill_metrics_port=port_of(info.get("prefill_metrics")),
+        http_port=port_of(info["http"]) if "http" in info else spec.http_port,
+    )
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def pdserve_executable() -> str:
+    """How to call the ``pdserve`` script of this interpreter, as a user would type it."""
+    candidate = Path(sys.executable).parent / "pdserve"
+    if not candidate.exists():
+        return "pdserve"
+    relative = os.path.relpath(candidate)
+    return relative if not relative.startswith("..") else str(candidate)

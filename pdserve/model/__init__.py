@@ -1,0 +1,1 @@
+"""The model an engine runs: loading, presets, weight layout, compilation, DeepSeekMoE."""

@@ -1,0 +1,1 @@
+"""Built-in models: seeded tiny models for tests, SmolLM2 from its PyPI package."""
