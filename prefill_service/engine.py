@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from pdserve.core.finish import STOP, finish_reason
+from pdserve.core.finish import first_token_reason
 from pdserve.core.sampling import SamplingParams, sample
 from pdserve.kv.layout import pack
 from pdserve.model.engine_model import EngineModel
@@ -178,9 +178,7 @@ class PrefillEngine:
         results = []
         for row, row_params in enumerate(params):
             token = sample(logits[row], row_params, step=0)
-            reason = finish_reason(token, 1, row_params, m.limits.eos_token_ids)
-            if reason is None and row_params.stop and self._hits_stop_string(token, row_params.stop):
-                reason = STOP
+            reason = first_token_reason(token, row_params, m.limits.eos_token_ids, self._token_text)
             buffer = None
             if reason is None:
                 buffer = pack(
@@ -195,9 +193,9 @@ class PrefillEngine:
             for r in results
         ]
 
-    def _hits_stop_string(self, token: int, stop: Sequence[str]) -> bool:
+    def _token_text(self, token: int) -> str:
         text: str = self._m.tokenizer.decode([token], skip_special_tokens=True)
-        return any(s in text for s in stop)
+        return text
 
 
 def _set_result(future: asyncio.Future[PrefillResult], result: PrefillResult) -> None:

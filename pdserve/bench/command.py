@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import sys
 from contextlib import ExitStack
 from pathlib import Path
 
 from pdserve.bench.config import BenchConfig
 from pdserve.config import flags
+from pdserve.core.logs import configure_logging
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from pdserve.bench.benchmark import run_benchmark
     from pdserve.bench.launch import LaunchedServer
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s", stream=sys.stderr)
+    configure_logging("WARNING")
     pids = [int(pid) for pid in config.server_pid]
     try:
         with ExitStack() as stack:

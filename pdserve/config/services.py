@@ -6,31 +6,22 @@ Every field is also read from the environment as ``PDSERVE_<FIELD NAME IN UPPER 
 
 from __future__ import annotations
 
-import math
-import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, TypeVar
+
+from pdserve.config.checks import (
+    check_address,
+    check_at_least,
+    check_choice,
+    check_device,
+    check_non_negative,
+    check_port,
+    check_positive,
+)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BACKENDS = ("auto", "gloo", "nccl")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-def _check_port(name: str, value: int) -> None:
-    if not 0 <= value <= 65535:
-        raise ValueError(f"{name} must be in [0, 65535] (0 picks a free port), got {value}")
-
-
-def _check_address(name: str, value: str) -> None:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(
-            f"{name} addresses must look like HOST:PORT with a port in [1, 65535], got {value!r}"
-        )
-
-
-def _check_positive(name: str, value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
 
 
 @dataclass(frozen=True)
@@ -70,23 +61,18 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must not be empty")
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.max_model_len < 0:
-            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
-        if self.ep < 1:
-            raise ValueError(f"ep must be >= 1, got {self.ep}")
-        _check_positive("ep_timeout_s", self.ep_timeout_s)
+        check_device("device", self.device)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_at_least("threads", self.threads, 1)
+        check_at_least("max_model_len", self.max_model_len, 0)
+        check_at_least("ep", self.ep, 1)
+        check_positive("ep_timeout_s", self.ep_timeout_s)
         if not 0 <= self.ep_rank < self.ep:
             raise ValueError(f"ep_rank must be in [0, ep) = [0, {self.ep}), got {self.ep_rank}")
         if self.ep_rank > 0 and not self.ep_master:
             raise ValueError("ep_master must be set on ranks other than 0")
         if self.ep_master:
-            _check_address("ep_master", self.ep_master)
+            check_address("ep_master", self.ep_master)
 
     @property
     def rank_device(self) -> str:
@@ -105,9 +91,8 @@ class TransferConfig:
     transfer_timeout_s: float = field(default=30.0, metadata={"help": "bound on every KV transfer wait"})
 
     def __post_init__(self) -> None:
-        if self.kv_backend not in BACKENDS:
-            raise ValueError(f"kv_backend must be one of {BACKENDS}, got {self.kv_backend!r}")
-        _check_positive("transfer_timeout_s", self.transfer_timeout_s)
+        check_choice("kv_backend", self.kv_backend, BACKENDS)
+        check_positive("transfer_timeout_s", self.transfer_timeout_s)
 
     def backend_for(self, device: str) -> str:
         if self.kv_backend != "auto":
@@ -133,10 +118,9 @@ class ServerConfig:
             raise ValueError("host must not be empty")
         if any(c.isspace() or c == "," for c in self.advertise_host):
             raise ValueError(f"advertise_host must be one host name or address, got {self.advertise_host!r}")
-        _check_port("port", self.port)
-        _check_port("metrics_port", self.metrics_port)
-        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
-            raise ValueError(f"grace_s must be a finite number >= 0, got {self.grace_s}")
+        check_port("port", self.port)
+        check_port("metrics_port", self.metrics_port)
+        check_non_negative("grace_s", self.grace_s)
 
     @property
     def public_host(self) -> str:
@@ -158,42 +142,46 @@ MAX_BATCH_TOKENS_HELP = (
 
 
 @dataclass(frozen=True)
-class PrefillConfig:
+class EngineService:
+    """What every engine service has: where it listens, how it runs its model, how KV moves."""
+
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    """The prefill's own settings (a prefill service, and the prefill side of a colocated one)."""
+
     kv_port: int = field(default=0, metadata={"help": "port of the KV rendezvous store (0 picks a free one)"})
     lease_s: float = field(default=30.0, metadata={"help": "seconds a parked KV waits to be pulled"})
     max_batch_tokens: int = field(default=0, metadata={"help": MAX_BATCH_TOKENS_HELP})
 
-    def __post_init__(self) -> None:
-        _check_port("kv_port", self.kv_port)
-        _check_positive("lease_s", self.lease_s)
+    def check_prefill(self) -> None:
+        check_port("kv_port", self.kv_port)
+        check_positive("lease_s", self.lease_s)
         if self.max_batch_tokens < 0:
             raise ValueError(f"max_batch_tokens must be >= 0 (0: by device), got {self.max_batch_tokens}")
 
-    @property
-    def batch_tokens(self) -> int:
-        """The prefill's token budget: ``max_batch_tokens``, or the device's default when 0."""
+    def batch_tokens_on(self, device: str) -> int:
+        """The token budget on ``device``: ``max_batch_tokens``, or the device's default when 0."""
         if self.max_batch_tokens:
             return self.max_batch_tokens
-        return CPU_BATCH_TOKENS if self.engine.device == "cpu" else CUDA_BATCH_TOKENS
+        return CPU_BATCH_TOKENS if device == "cpu" else CUDA_BATCH_TOKENS
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
-    server: ServerConfig = field(default_factory=ServerConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    transfer: TransferConfig = field(default_factory=TransferConfig)
+class DecodeSettings:
+    """The decode's own settings (a decode service, and the decode side of a colocated one)."""
+
     max_running: int = field(default=64, metadata={"help": "most requests decoding at once"})
     max_kv_tokens: int = field(default=65536, metadata={"help": "KV pool size of the decode, in tokens"})
     kv_block_size: int = field(default=16, metadata={"help": "tokens per KV pool block"})
 
-    def __post_init__(self) -> None:
-        if self.max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {self.max_running}")
-        if self.kv_block_size < 1:
-            raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+    def check_decode(self) -> None:
+        check_at_least("max_running", self.max_running, 1)
+        check_at_least("kv_block_size", self.kv_block_size, 1)
         if self.max_kv_tokens < self.kv_block_size:
             raise ValueError(
                 f"max_kv_tokens must be >= kv_block_size ({self.kv_block_size}), got {self.max_kv_tokens}"
@@ -201,44 +189,47 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True)
-class ColocatedConfig:
+class PrefillConfig(PrefillSettings, EngineService):
+    def __post_init__(self) -> None:
+        self.check_prefill()
+
+    @property
+    def batch_tokens(self) -> int:
+        """The prefill's token budget: ``max_batch_tokens``, or the device's default when 0."""
+        return self.batch_tokens_on(self.engine.device)
+
+
+@dataclass(frozen=True)
+class DecodeConfig(DecodeSettings, EngineService):
+    def __post_init__(self) -> None:
+        self.check_decode()
+
+
+C = TypeVar("C")
+
+
+def _part(cls: type[C], config: Any, **overrides: Any) -> C:
+    """The ``cls`` config made of ``config``'s fields of the same names."""
+    values = {f.name: getattr(config, f.name) for f in fields(cls)}  # type: ignore[arg-type]
+    return cls(**{**values, **overrides})
+
+
+@dataclass(frozen=True)
+class ColocatedConfig(DecodeSettings, PrefillSettings, EngineService):
     """Prefill and decode in one process sharing one model: the KV is handed over in memory."""
 
-    server: ServerConfig = field(default_factory=ServerConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    transfer: TransferConfig = field(default_factory=TransferConfig)
     prefill_metrics_port: int = field(default=0, metadata={"help": "metrics port of the prefill side"})
-    kv_port: int = field(default=0, metadata={"help": "port of the KV rendezvous store (0 picks a free one)"})
-    lease_s: float = field(default=30.0, metadata={"help": "seconds a parked KV waits to be pulled"})
-    max_batch_tokens: int = field(default=0, metadata={"help": MAX_BATCH_TOKENS_HELP})
-    max_running: int = field(default=64, metadata={"help": "most requests decoding at once"})
-    max_kv_tokens: int = field(default=65536, metadata={"help": "KV pool size of the decode, in tokens"})
-    kv_block_size: int = field(default=16, metadata={"help": "tokens per KV pool block"})
 
     def __post_init__(self) -> None:
-        _check_port("prefill_metrics_port", self.prefill_metrics_port)
-        self.prefill_config()
-        self.decode_config()
+        check_port("prefill_metrics_port", self.prefill_metrics_port)
+        self.check_prefill()
+        self.check_decode()
 
     def prefill_config(self) -> PrefillConfig:
-        return PrefillConfig(
-            server=replace(self.server, metrics_port=self.prefill_metrics_port),
-            engine=self.engine,
-            transfer=self.transfer,
-            kv_port=self.kv_port,
-            lease_s=self.lease_s,
-            max_batch_tokens=self.max_batch_tokens,
-        )
+        return _part(PrefillConfig, self, server=replace(self.server, metrics_port=self.prefill_metrics_port))
 
     def decode_config(self) -> DecodeConfig:
-        return DecodeConfig(
-            server=self.server,
-            engine=self.engine,
-            transfer=self.transfer,
-            max_running=self.max_running,
-            max_kv_tokens=self.max_kv_tokens,
-            kv_block_size=self.kv_block_size,
-        )
+        return _part(DecodeConfig, self)
 
 
 @dataclass(frozen=True)
@@ -264,15 +255,11 @@ class GatewayConfig:
         if not self.decode:
             raise ValueError("at least one decode address is required (--decode / PDSERVE_DECODE)")
         for address in self.prefill:
-            _check_address("prefill", address)
+            check_address("prefill", address)
         for address in self.decode:
-            _check_address("decode", address)
-        if self.max_model_len < 0:
-            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
-        if not -1 <= self.http_port <= 65535:
-            raise ValueError(
-                f"http_port must be -1 (off) or in [0, 65535] (0 picks a free port), got {self.http_port}"
-            )
+            check_address("decode", address)
+        check_at_least("max_model_len", self.max_model_len, 0)
+        check_port("http_port", self.http_port, off=-1)
 
     @property
     def model_id(self) -> str:

@@ -1,8 +1,19 @@
-"""When a request is complete, judged on token ids (stop strings are the gateway's business)."""
+"""When a request ends, and why: the rules every stage applies to the tokens it samples.
+
+1. Token rules, on ids, judged by whoever samples the token (the prefill for the first token, the
+   decode for every later one): the model's end-of-sequence token (unless ``ignore_eos``) ends it
+   with ``eos``, a token of ``stop_token_ids`` with ``stop`` (the token is returned), and the
+   ``max_tokens``-th token with ``length``.
+2. Stop strings, on text, judged by the gateway over the whole stream (``gateway.stop_strings``):
+   the text is cut right before the first stop string, wherever tokens split it.
+3. The first token also ends the request when its own text contains a stop string
+   (``first_token_reason``): the gateway would stop there anyway, so the prefill parks no KV and
+   the request never reaches decode.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from pdserve.core.sampling import SamplingParams
 
@@ -14,7 +25,7 @@ LENGTH = "length"
 def finish_reason(
     token_id: int, num_generated: int, params: SamplingParams, eos_token_ids: Collection[int]
 ) -> str | None:
-    """The reason the request ends at this token, or None when it continues.
+    """The reason the request ends at this token by the token rules, or None when it continues.
 
     ``num_generated`` counts the generated tokens including ``token_id``.
     """
@@ -25,3 +36,17 @@ def finish_reason(
     if num_generated >= params.max_tokens:
         return LENGTH
     return None
+
+
+def first_token_reason(
+    token_id: int,
+    params: SamplingParams,
+    eos_token_ids: Collection[int],
+    token_text: Callable[[int], str],
+) -> str | None:
+    """The reason a request ends at its first token (token rules, then stop strings in that token's
+    own text, decoded by ``token_text``), or None when it goes on to decode."""
+    reason = finish_reason(token_id, 1, params, eos_token_ids)
+    if reason is None and params.stop and any(s in token_text(token_id) for s in params.stop):
+        return STOP
+    return reason

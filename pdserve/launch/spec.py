@@ -14,6 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.config import DEFAULT_MODEL
+from pdserve.config.checks import (
+    check_at_least,
+    check_choice,
+    check_device,
+    check_non_negative,
+    check_port,
+    check_positive,
+)
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -21,11 +29,6 @@ GATEWAY = "gateway"
 COLOCATED = "colocated"
 ROLES = (PREFILL, DECODE, GATEWAY, COLOCATED)
 MODES = ("disaggregated", "colocated")
-
-
-def _check_port(name: str, value: int) -> None:
-    if not 0 <= value <= 65535:
-        raise ValueError(f"{name} must be in [0, 65535] (0 picks a free port), got {value}")
 
 
 @dataclass(frozen=True)
@@ -88,21 +91,13 @@ class UpConfig:
             raise ValueError("model must not be empty")
         if not self.host:
             raise ValueError("host must not be empty")
-        _check_port("port", self.port)
-        if not -1 <= self.http_port <= 65535:
-            raise ValueError(
-                f"http_port must be -1 (off) or in [0, 65535] (0 picks a free port), got {self.http_port}"
-            )
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.prefill_replicas < 1:
-            raise ValueError(f"prefill_replicas must be >= 1, got {self.prefill_replicas}")
-        if self.decode_replicas < 1:
-            raise ValueError(f"decode_replicas must be >= 1, got {self.decode_replicas}")
+        check_port("port", self.port)
+        check_port("http_port", self.http_port, off=-1)
+        check_device("device", self.device)
+        check_at_least("threads", self.threads, 1)
+        check_choice("mode", self.mode, MODES)
+        check_at_least("prefill_replicas", self.prefill_replicas, 1)
+        check_at_least("decode_replicas", self.decode_replicas, 1)
         if self.prefill_ep < 1 or self.decode_ep < 1:
             raise ValueError(
                 f"prefill_ep and decode_ep must be >= 1, got {self.prefill_ep} and {self.decode_ep}"
@@ -111,21 +106,16 @@ class UpConfig:
             raise ValueError(
                 "in colocated mode --prefill-ep sizes each service's group; --decode-ep must be 1 or equal to it"
             )
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        if not self.restart_window_s > 0:
-            raise ValueError(f"restart_window_s must be > 0, got {self.restart_window_s}")
-        if not self.restart_backoff_s > 0:
-            raise ValueError(f"restart_backoff_s must be > 0, got {self.restart_backoff_s}")
+        check_at_least("max_restarts", self.max_restarts, 0)
+        check_positive("restart_window_s", self.restart_window_s)
+        check_positive("restart_backoff_s", self.restart_backoff_s)
         if not self.restart_backoff_max_s >= self.restart_backoff_s:
             raise ValueError(
                 f"restart_backoff_max_s must be >= restart_backoff_s ({self.restart_backoff_s}), "
                 f"got {self.restart_backoff_max_s}"
             )
-        if not self.startup_timeout_s > 0:
-            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
-        if not self.shutdown_timeout_s >= 0:
-            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        check_positive("startup_timeout_s", self.startup_timeout_s)
+        check_non_negative("shutdown_timeout_s", self.shutdown_timeout_s)
         if self.demo and not self.demo_prompt:
             raise ValueError("demo_prompt must not be empty when demo is on")
 

@@ -33,6 +33,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from pdserve.config import flags
+from pdserve.core.logs import configure_logging
 from pdserve.core.processes import with_parent_death_signal
 from pdserve.launch.demo import Demo
 from pdserve.launch.spec import (
@@ -572,9 +573,5 @@ def run_up_from_args(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging()
     return run_up(config)

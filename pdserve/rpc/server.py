@@ -27,6 +27,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.core.logs import configure_logging
+
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -235,11 +237,7 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
 
 
 def run_service(main: Callable[[], Any]) -> None:
-    """Runs an async service entry point with logging to stderr."""
-    logging.basicConfig(
-        level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
-        stream=sys.stderr,
-    )
+    """Runs an async service entry point with pdserve's logging set-up."""
+    configure_logging()
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(main())

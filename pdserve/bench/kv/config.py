@@ -6,12 +6,11 @@ for values, bfloat16: 224 KiB per token.
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.config import BACKENDS
+from pdserve.config.checks import check_at_least, check_choice, check_device, check_positive
 
 if TYPE_CHECKING:
     import torch
@@ -49,22 +48,17 @@ class BenchKvConfig:
             if not text.isdigit() or int(text) < 1:
                 raise ValueError(f"tokens must be positive integers, got {text!r}")
         for name in ("layers", "kv_heads", "head_dim", "repeat", "threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("device", "peer_device"):
-            value = getattr(self, name)
-            if (value or name == "device") and not re.fullmatch(r"cpu|cuda(:\d+)?", value):
-                raise ValueError(f"{name} must be cpu or cuda[:N], got {value!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+            check_at_least(name, getattr(self, name), 1)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_device("device", self.device)
+        if self.peer_device:
+            check_device("peer_device", self.peer_device)
+        check_choice("backend", self.backend, BACKENDS)
         if self.backend_name == "nccl" and not (
             self.device.startswith("cuda") and self.receiver_device.startswith("cuda")
         ):
             raise ValueError("the nccl backend needs CUDA devices on both sides")
-        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
-            raise ValueError(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
+        check_positive("timeout_s", self.timeout_s)
 
     @property
     def token_counts(self) -> list[int]:

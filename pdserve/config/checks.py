@@ -1,0 +1,55 @@
+"""The checks every config dataclass shares: each raises ValueError naming the field and the value."""
+
+from __future__ import annotations
+
+import math
+import re
+
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def check_port(name: str, value: int, *, off: int | None = None) -> None:
+    """A TCP port to bind: 0 picks a free one; ``off`` (e.g. -1) is also allowed and turns it off."""
+    if off is not None and value == off:
+        return
+    if not 0 <= value <= 65535:
+        if off is not None:
+            raise ValueError(
+                f"{name} must be {off} (off) or in [0, 65535] (0 picks a free port), got {value}"
+            )
+        raise ValueError(f"{name} must be in [0, 65535] (0 picks a free port), got {value}")
+
+
+def check_address(name: str, value: str) -> None:
+    """HOST:PORT of another process (the port must be a real one)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(
+            f"{name} addresses must look like HOST:PORT with a port in [1, 65535], got {value!r}"
+        )
+
+
+def check_positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+
+
+def check_non_negative(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+
+
+def check_at_least(name: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def check_device(name: str, value: str) -> None:
+    """A torch device pdserve runs on: ``cpu``, ``cuda`` or ``cuda:N``."""
+    if not DEVICE_PATTERN.fullmatch(value):
+        raise ValueError(f"{name} must be cpu or cuda[:N], got {value!r}")
+
+
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
