@@ -7,7 +7,7 @@ import grpc
 import torch
 
 from decode_service.metrics import DecodeMetrics
-from pdserve.kv.handle import KvCompatibility
+from pdserve.kv.handle import HandleCheck
 from pdserve.kv.layout import KvLayout, unpack
 from pdserve.rpc.errors import RpcError
 from pdserve.v1 import kv_pb2
@@ -26,7 +26,7 @@ class LocalKvSource:
         prefill_metrics: PrefillMetrics,
     ) -> None:
         self._registry = registry
-        self._compatibility = KvCompatibility(fingerprint, backend, layout)
+        self._compatibility = HandleCheck(fingerprint, backend, layout)
         self._layout = layout
         self._metrics = metrics
         self._prefill_metrics = prefill_metrics

@@ -1,22 +1,22 @@
 """The decode side of the KV handoff: pulls a handle's KV from the prefill that parked it.
 
 Lifecycle of a pull:
-1. check the handle against this decode's model (fingerprint, backend, layout) before any byte
-   moves; a mismatch is FAILED_PRECONDITION;
-2. under the pair's lock: call PullKv on the prefill (NOT_FOUND when the handle is unknown or
-   expired) and post the receive on the pair's channel. Lock plus shielding keep the order of
-   receives equal to the order of the prefill's sends even if the request is cancelled. Pulls that
-   queued on the pair while the lock was held go together: one PullKvMany, whose KVs the prefill
-   sends as one buffer (those it holds, concatenated in the order of the handles), and one receive
-   (a burst of requests costs one round trip and one transfer per lock holder, not one per
-   request). A prefill that tore this pair's generation down answers ABORTED with the lowest
-   generation it takes (before it touches the handle): the pair moves on to it and asks once more;
-3. wait (bounded) for the data. A PullKv that failed after the prefill may have posted its send
+1. check the handle against this decode's model (``pdserve.kv.handle``: version, fingerprint,
+   backend, layout) before any byte moves; a mismatch is FAILED_PRECONDITION;
+2. under the pair's lock: one PullKvMany on the prefill for every pull queued on the pair by then
+   (a handle it no longer holds answers 0 bytes: NOT_FOUND for that pull), then one receive posted
+   on the pair's channel for what it sends (its KVs as one buffer, in the order of the handles).
+   Lock plus shielding keep the order of receives equal to the order of the prefill's sends even if
+   the request is cancelled; a burst of requests costs one round trip and one transfer per lock
+   holder, not one per request. A prefill that tore this pair's generation down answers ABORTED
+   with the lowest generation it takes (before it touches the handles): the pair moves on to it and
+   asks once more;
+3. wait (bounded) for the data. A pull call that failed after the prefill may have posted its send
    (deadline, lost connection), or a failed receive, closes the channel: the next pull rebuilds
    the pair under a new generation, so the two sides never fall out of step;
 4. return views of every layer's keys and values inside the received buffer.
 
-Every wait is bounded by the transfer timeout: connecting to the prefill's store, the PullKv call
+Every wait is bounded by the transfer timeout: connecting to the prefill's store, the pull call
 and the receive. Failures on the prefill's side (dead or hung prefill, failed transfer) are
 ABORTED: the request can be run again from a new prefill.
 """
@@ -31,7 +31,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import grpc
 import torch
@@ -40,13 +39,12 @@ import torch.distributed as dist
 from decode_service.metrics import DecodeMetrics
 from pdserve.kv.channel import (
     DECODE_RANK,
-    MIN_GENERATION_METADATA,
     PairChannel,
     TransferError,
     transfer_device,
     transfer_threads,
 )
-from pdserve.kv.handle import KvCompatibility
+from pdserve.kv.handle import MIN_GENERATION_METADATA, HandleCheck
 from pdserve.kv.layout import KvLayout, unpack
 from pdserve.kv.rendezvous import connect_store, pair_prefix
 from pdserve.rpc.errors import RpcError
@@ -118,7 +116,7 @@ class KvPuller:
         self._timeout = timeout
         self._metrics = metrics
         self._pairs: dict[str, _Pair] = {}
-        self._compatibility = KvCompatibility(fingerprint, backend, layout)
+        self._check = HandleCheck(fingerprint, backend, layout)
         self._receiving = 0
         self._receiving_lock = threading.Lock()
         metrics.kv_pairs.set_function(lambda: self.num_pairs)
@@ -136,7 +134,7 @@ class KvPuller:
 
     def check_compatible(self, handle: kv_pb2.KvHandle) -> None:
         """Raises RpcError(FAILED_PRECONDITION) when this decode cannot use the handle's KV."""
-        problem = self._compatibility.problem(handle)
+        problem = self._check.problem(handle)
         if problem is not None:
             self._metrics.kv_refused.inc()
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, problem)
@@ -233,38 +231,26 @@ class KvPuller:
     async def _pull_call(
         self, pair: _Pair, handles: Sequence[kv_pb2.KvHandle]
     ) -> tuple[PairChannel, list[int], torch.Tensor]:
-        """PullKv for one handle, PullKvMany for several, on the pair's channel; the receive buffer
-        (room for every handle's KV, back to back) is allocated while the call is out. Returns the
-        channel, what the prefill sends for each handle (0: PullKvMany found nothing to send) and
-        the buffer."""
+        """One PullKvMany for ``handles`` on the pair's channel; the receive buffer (room for every
+        handle's KV, back to back) is allocated while the call is out. Returns the channel, what the
+        prefill sends for each handle (0: not parked there, nothing sent) and the buffer."""
         buf: torch.Tensor | None = None
         num_bytes = sum(h.num_bytes for h in handles)
         for attempt in range(2):
             channel = await self._channel(pair, handles[0])
             timeout = self._timeout.total_seconds()
             try:
-                if len(handles) == 1:
-                    call: Any = pair.stub.PullKv(
-                        prefill_pb2.PullKvRequest(
-                            handle_id=handles[0].id,
-                            decode_instance_id=self._instance_id,
-                            pair_generation=pair.generation,
-                        ),
-                        timeout=timeout,
-                    )
-                else:
-                    call = pair.stub.PullKvMany(
-                        prefill_pb2.PullKvManyRequest(
-                            handle_ids=[h.id for h in handles],
-                            decode_instance_id=self._instance_id,
-                            pair_generation=pair.generation,
-                        ),
-                        timeout=timeout,
-                    )
+                call = pair.stub.PullKvMany(
+                    prefill_pb2.PullKvManyRequest(
+                        handle_ids=[h.id for h in handles],
+                        decode_instance_id=self._instance_id,
+                        pair_generation=pair.generation,
+                    ),
+                    timeout=timeout,
+                )
                 buf = buf if buf is not None else await self._allocate_during(num_bytes)
                 response = await call
-                sizes = [response.num_bytes] if len(handles) == 1 else list(response.num_bytes)
-                return channel, sizes, buf
+                return channel, list(response.num_bytes), buf
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _NOTHING_POSTED:
                     self._break(pair, f"PullKv failed: {exc.code().name}")

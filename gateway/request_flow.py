@@ -44,6 +44,7 @@ from gateway.prompt_input import PromptInput
 from gateway.text_stream import TextChunk, TextStream
 from pdserve.core.finish import STOP
 from pdserve.core.sampling import SamplingParams
+from pdserve.kv.handle import describe
 from pdserve.rpc.errors import RpcError, status_code
 from pdserve.rpc.sampling_proto import sampling_to_proto
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, gateway_pb2, kv_pb2, prefill_pb2, prefill_pb2_grpc
@@ -289,7 +290,7 @@ class RequestFlow:
                 if response.released:
                     self._metrics.kv_releases.inc()
             except grpc.aio.AioRpcError as exc:
-                logger.warning("release of KV %s failed: %s", handle.id.hex(), exc.details())
+                logger.warning("release of %s failed: %s", describe(handle), exc.details())
 
         task = asyncio.get_running_loop().create_task(release())
         self._background.add(task)

@@ -7,7 +7,6 @@ registry exactly once, whichever comes first; later pulls get NOT_FOUND.
 
 from __future__ import annotations
 
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-HANDLE_ID_BYTES = 16
+from pdserve.kv.handle import new_handle_id
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class KvRegistry:
 
     def park(self, buffer: torch.Tensor, num_tokens: int) -> ParkedKv:
         entry = ParkedKv(
-            handle_id=secrets.token_bytes(HANDLE_ID_BYTES),
+            handle_id=new_handle_id(),
             buffer=buffer,
             num_tokens=num_tokens,
             expires_at=self._clock() + self._lease_s,

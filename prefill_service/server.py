@@ -21,11 +21,12 @@ from pdserve.config import PrefillConfig
 from pdserve.hosting.service_kind import RankParts, ServiceKind
 from pdserve.hosting.service_main import serve_service
 from pdserve.kv.channel import transfer_device
+from pdserve.kv.handle import HandleIssuer
 from pdserve.kv.layout import dtype_name
 from pdserve.kv.rendezvous import host_store
 from pdserve.model.engine_model import EngineModel
 from pdserve.rpc.server import ServiceServer
-from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from prefill_service.engine import PrefillEngine
 from prefill_service.kv_registry import KvRegistry
 from prefill_service.kv_sender import KvSender
@@ -93,12 +94,13 @@ def build_prefill(
     sender = KvSender(instance_id, store, backend, engine_model.device, host, timeout, metrics)
     engine = PrefillEngine(engine_model, device, config.batch_tokens)
     kv_rendezvous = f"{host}:{store.port}"
-    handle_template = kv_pb2.KvHandle(
+    issuer = HandleIssuer(
         prefill_address=server.address,
         prefill_instance_id=instance_id,
         rendezvous_address=kv_rendezvous,
         backend=backend,
         model_fingerprint=engine_model.fingerprint,
+        layout=engine_model.kv_layout,
         rank=rank,
     )
     layout = engine_model.kv_layout
@@ -109,7 +111,7 @@ def build_prefill(
         layout.bytes_per_token(),
         backend,
     )
-    servicer = PrefillServicer(engine_model, engine, registry, sender, metrics, handle_template)
+    servicer = PrefillServicer(engine_model, engine, registry, sender, metrics, issuer)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server.server)
     return PrefillParts(engine_model, metrics, registry, sender, engine, store, kv_rendezvous)
 

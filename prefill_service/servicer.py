@@ -1,7 +1,8 @@
 """gRPC servicer of pdserve.v1.Prefill: converts at the edge, delegates to engine, registry and sender.
 
-``KvHandoffServicer`` serves the handoff calls alone (PullKv, PullKvMany, ReleaseKv); ``PrefillServicer`` adds
-the prompt forward. ``pdserve bench-kv`` runs the first one to time the real PullKv path.
+``KvHandoffServicer`` serves the handoff calls alone (PullKvMany, its one-handle form PullKv, and
+ReleaseKv); ``PrefillServicer`` adds the prompt forward. ``pdserve bench-kv`` runs the first one to
+time the real pull path.
 """
 
 from __future__ import annotations
@@ -12,34 +13,18 @@ from typing import Any
 
 import grpc
 
-from pdserve.kv.channel import MIN_GENERATION_METADATA, TransferError
-from pdserve.kv.layout import KvLayout
+from pdserve.kv.channel import TransferError
+from pdserve.kv.handle import HANDLE_ID_BYTES, MIN_GENERATION_METADATA, HandleIssuer, is_handle_id
 from pdserve.model.engine_model import EngineModel, ForwardUnavailable
 from pdserve.rpc.errors import RpcError, abort
 from pdserve.rpc.sampling_proto import sampling_from_proto
-from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from prefill_service.engine import PrefillEngine
-from prefill_service.kv_registry import HANDLE_ID_BYTES, KvRegistry, ParkedKv
+from prefill_service.kv_registry import KvRegistry, ParkedKv
 from prefill_service.kv_sender import KvSender, StaleGeneration
 from prefill_service.metrics import PrefillMetrics
 
 logger = logging.getLogger(__name__)
-
-KV_HANDLE_VERSION = 1
-
-
-def kv_handle(template: kv_pb2.KvHandle, entry: ParkedKv, layout: KvLayout) -> kv_pb2.KvHandle:
-    """The handle of a parked KV: ``template`` (this prefill's addresses, backend and model)
-    completed with the entry's id, size, lease and tensor specs."""
-    handle = kv_pb2.KvHandle()
-    handle.CopyFrom(template)
-    handle.version = KV_HANDLE_VERSION
-    handle.id = entry.handle_id
-    handle.num_tokens = entry.num_tokens
-    handle.num_bytes = entry.num_bytes
-    handle.expires_at_unix = entry.expires_at_unix
-    handle.tensors.extend(spec.to_proto() for spec in layout.tensor_specs(entry.num_tokens))
-    return handle
 
 
 class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
@@ -49,16 +34,16 @@ class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
         self._metrics = metrics
 
     async def PullKv(self, request: prefill_pb2.PullKvRequest, context: Any) -> prefill_pb2.PullKvResponse:
-        decode, generation = await self._check_pull(
-            context, [request.handle_id], request.decode_instance_id, request.pair_generation
+        """PullKvMany of one handle; a handle not parked here is NOT_FOUND."""
+        many = prefill_pb2.PullKvManyRequest(
+            handle_ids=[request.handle_id],
+            decode_instance_id=request.decode_instance_id,
+            pair_generation=request.pair_generation,
         )
-        self._metrics.kv_pull_calls.inc()
-        entry = self._registry.take(request.handle_id)
-        if entry is None:
-            self._metrics.kv_pulls_not_found.inc()
+        (num_bytes,) = (await self.PullKvMany(many, context)).num_bytes
+        if not num_bytes:
             await abort(context, grpc.StatusCode.NOT_FOUND, "KV handle is unknown, expired or already pulled")
-        await self._send(context, [entry], decode, generation)
-        return prefill_pb2.PullKvResponse(num_bytes=entry.num_bytes)
+        return prefill_pb2.PullKvResponse(num_bytes=num_bytes)
 
     async def PullKvMany(
         self, request: prefill_pb2.PullKvManyRequest, context: Any
@@ -80,7 +65,7 @@ class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
         self, context: Any, handle_ids: Sequence[bytes], decode: str, generation: int
     ) -> tuple[str, int]:
         """Validates a pull's fields and its pair generation, before any handle is taken."""
-        if any(len(handle_id) != HANDLE_ID_BYTES for handle_id in handle_ids):
+        if not all(is_handle_id(handle_id) for handle_id in handle_ids):
             await abort(
                 context, grpc.StatusCode.INVALID_ARGUMENT, f"handle_id must be {HANDLE_ID_BYTES} bytes"
             )
@@ -136,12 +121,12 @@ class PrefillServicer(KvHandoffServicer):
         registry: KvRegistry,
         sender: KvSender,
         metrics: PrefillMetrics,
-        handle_template: kv_pb2.KvHandle,
+        issuer: HandleIssuer,
     ) -> None:
         super().__init__(registry, sender, metrics)
         self._m = engine_model
         self._engine = engine
-        self._handle_template = handle_template
+        self._issuer = issuer
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
         try:
@@ -169,5 +154,5 @@ class PrefillServicer(KvHandoffServicer):
         logger.debug("request %s parked %d bytes", request.request_id, entry.num_bytes)
         return prefill_pb2.PrefillResponse(
             first_token_id=result.first_token_id,
-            kv_handle=kv_handle(self._handle_template, entry, self._m.kv_layout),
+            kv_handle=self._issuer.issue(entry),
         )

@@ -9,7 +9,7 @@ process can play a decode and the same decode restarted):
   pull INSTANCE HANDLE_HEX GENERATION -> PullKv; {"ok", "num_bytes"} or {"code", "min_generation"}
   connect INSTANCE HANDLE_HEX GENERATION -> builds this side of that pair (no data moves)
   recv INSTANCE HANDLE_HEX GENERATION PATH -> receives num_bytes into PATH
-prefill NUM_BYTES (a prefill whose PullKv answers NUM_BYTES but never sends): prints {"grpc", "rendezvous",
+prefill NUM_BYTES (a prefill whose PullKvMany answers NUM_BYTES but never sends): prints {"grpc", "rendezvous",
 "instance_id"} first, then {"pulled", "decode", "generation"} once a decode's pull has built the
 pair; the decode's receive then waits on this process.
 """
@@ -32,7 +32,8 @@ from typing import Any
 import grpc
 import torch
 
-from pdserve.kv.channel import DECODE_RANK, MIN_GENERATION_METADATA, PREFILL_RANK, PairChannel
+from pdserve.kv.channel import DECODE_RANK, PREFILL_RANK, PairChannel
+from pdserve.kv.handle import MIN_GENERATION_METADATA
 from pdserve.kv.rendezvous import connect_store, host_store, pair_prefix
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -95,7 +96,7 @@ def run_decode() -> None:
 
 
 class _SilentPrefill(prefill_pb2_grpc.PrefillServicer):
-    """Answers PullKv and builds the pair, but never sends."""
+    """Answers PullKvMany (the decode's pull call) and builds the pair, but never sends."""
 
     def __init__(self, instance_id: str, store: Any, num_bytes: int) -> None:
         self._instance_id = instance_id
@@ -103,7 +104,9 @@ class _SilentPrefill(prefill_pb2_grpc.PrefillServicer):
         self._num_bytes = num_bytes
         self._channels: list[PairChannel] = []
 
-    def PullKv(self, request: prefill_pb2.PullKvRequest, context: Any) -> prefill_pb2.PullKvResponse:
+    def PullKvMany(
+        self, request: prefill_pb2.PullKvManyRequest, context: Any
+    ) -> prefill_pb2.PullKvManyResponse:
         prefix = pair_prefix(self._instance_id, request.decode_instance_id, request.pair_generation)
         channel = PairChannel(self._store, prefix, PREFILL_RANK, "gloo", CPU, HOST, TIMEOUT)
         self._channels.append(channel)
@@ -113,7 +116,7 @@ class _SilentPrefill(prefill_pb2_grpc.PrefillServicer):
                 _say(pulled=True, decode=request.decode_instance_id, generation=request.pair_generation)
 
         channel.connect().add_done_callback(built)
-        return prefill_pb2.PullKvResponse(num_bytes=self._num_bytes)
+        return prefill_pb2.PullKvManyResponse(num_bytes=[self._num_bytes] * len(request.handle_ids))
 
 
 def run_prefill(num_bytes: int) -> None:

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from decode_service.kv_puller import KvPuller
 from decode_service.metrics import DecodeMetrics
+from pdserve.kv.handle import HandleIssuer
 from pdserve.kv.layout import KvLayout, pack, unpack
 from pdserve.kv.rendezvous import host_store
 from pdserve.v1 import (
@@ -37,7 +38,7 @@ from pdserve.v1 import (
 from prefill_service.kv_registry import KvRegistry
 from prefill_service.kv_sender import KvSender
 from prefill_service.metrics import PrefillMetrics
-from prefill_service.servicer import KvHandoffServicer, kv_handle
+from prefill_service.servicer import KvHandoffServicer
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import Stream, generate_many, make_request
 from tests.kv_peer import Peer
@@ -461,18 +462,19 @@ def test_a_decode_follows_the_prefill_to_a_newer_pair_generation() -> None:
             for i in (1, 2)
         ]
 
-        template = kv_pb2.KvHandle(
+        template = HandleIssuer(
             prefill_address=f"127.0.0.1:{port}",
             prefill_instance_id="prefill-x",
             rendezvous_address=f"127.0.0.1:{store.port}",
             backend="gloo",
             model_fingerprint="fp",
+            layout=layout,
         )
 
         async def round_trip(puller: KvPuller, num_tokens: int) -> None:
             layers = [(torch.randn(1, 2, num_tokens, 4), torch.randn(1, 2, num_tokens, 3)) for _ in range(2)]
             entry = registry.park(pack(layers, layout, 0, 0, num_tokens, CPU), num_tokens)
-            received = await puller.pull(kv_handle(template, entry, layout))
+            received = await puller.pull(template.issue(entry))
             for (k, v), (rk, rv) in zip(layers, received, strict=True):
                 assert torch.equal(rk, k[0]) and torch.equal(rv, v[0])
 

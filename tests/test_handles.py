@@ -97,13 +97,15 @@ def test_expired_handle_is_not_found(eos_stack: Any) -> None:
     assert decode_error(stack, response.kv_handle).code() == grpc.StatusCode.NOT_FOUND
 
 
-@pytest.mark.parametrize("tamper", ["fingerprint", "shape", "dtype", "backend", "bytes"])
+@pytest.mark.parametrize("tamper", ["version", "fingerprint", "shape", "dtype", "backend", "bytes"])
 def test_incompatible_handle_is_refused_before_any_transfer(stack_pool: StackPool, tamper: str) -> None:
     stack = stack_pool.get(MODEL)
     response = asyncio.run(prefill(stack, [9, 8, 7, 6]))
     handle = kv_pb2.KvHandle()
     handle.CopyFrom(response.kv_handle)
-    if tamper == "fingerprint":
+    if tamper == "version":
+        handle.version += 1
+    elif tamper == "fingerprint":
         handle.model_fingerprint = "0" * 32
     elif tamper == "shape":
         handle.tensors[1].shape[2] += 1

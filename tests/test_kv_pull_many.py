@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from decode_service.kv_puller import KvPuller
 from decode_service.metrics import DecodeMetrics
+from pdserve.kv.handle import HandleIssuer
 from pdserve.kv.layout import KvLayout, pack
 from pdserve.kv.rendezvous import host_store
 from pdserve.rpc.errors import RpcError
@@ -27,7 +28,7 @@ from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 from prefill_service.kv_registry import KvRegistry
 from prefill_service.kv_sender import KvSender
 from prefill_service.metrics import PrefillMetrics
-from prefill_service.servicer import KvHandoffServicer, kv_handle
+from prefill_service.servicer import KvHandoffServicer
 
 CPU = torch.device("cpu")
 TIMEOUT = timedelta(seconds=10)
@@ -50,12 +51,13 @@ class Handoff:
         )
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
-        self.template = kv_pb2.KvHandle(
+        self.template = HandleIssuer(
             prefill_address=f"127.0.0.1:{self.port}",
             prefill_instance_id="prefill-m",
             rendezvous_address=f"127.0.0.1:{self.store.port}",
             backend="gloo",
             model_fingerprint="fp",
+            layout=LAYOUT,
         )
         self.decode_metrics = DecodeMetrics(CollectorRegistry())
         self.puller = KvPuller(
@@ -69,7 +71,7 @@ class Handoff:
             for _ in range(len(LAYOUT.keys))
         ]
         entry = self.registry.park(pack(layers, LAYOUT, 0, 0, num_tokens, CPU), num_tokens)
-        handle = kv_handle(self.template, entry, LAYOUT)
+        handle = self.template.issue(entry)
         return handle, layers
 
     def unknown(self, like: kv_pb2.KvHandle) -> kv_pb2.KvHandle:

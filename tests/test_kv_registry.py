@@ -7,8 +7,9 @@ import time
 import pytest
 import torch
 
-from prefill_service import kv_registry
-from prefill_service.kv_registry import HANDLE_ID_BYTES, KvRegistry
+from pdserve.kv import handle as kv_handle
+from pdserve.kv.handle import HANDLE_ID_BYTES
+from prefill_service.kv_registry import KvRegistry
 
 LEASE_S = 10.0
 
@@ -58,7 +59,7 @@ def test_handle_ids_come_from_secrets_token_bytes(monkeypatch: pytest.MonkeyPatc
         calls.append(n)
         return bytes([len(calls)]) * n
 
-    monkeypatch.setattr(kv_registry.secrets, "token_bytes", fake_token_bytes)
+    monkeypatch.setattr(kv_handle.secrets, "token_bytes", fake_token_bytes)
     registry = KvRegistry(LEASE_S, clock=FakeClock())
     a = registry.park(_buf(1), 1)
     b = registry.park(_buf(1), 1)

@@ -40,8 +40,6 @@ logger = logging.getLogger(__name__)
 PREFILL_RANK = 0
 DECODE_RANK = 1
 THREAD_NAME_PREFIX = "kv-pair-"
-# Trailing metadata of a PullKv refused with ABORTED: the lowest pair generation the prefill takes.
-MIN_GENERATION_METADATA = "pdserve-min-pair-generation"
 # Connections of one gloo pair, and the smallest chunk worth a connection of its own. Both sides of
 # a pair must use the same values (they decide how a buffer is cut).
 GLOO_STREAMS = 4

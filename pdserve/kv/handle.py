@@ -1,15 +1,97 @@
-"""Whether a decode can use a KV handle: same model, backend and layout, checked before any byte moves."""
+"""The KV handle: a prefill's lease on one parked KV, and the contract between prefill and decode.
+
+Lifecycle of a handle:
+1. a prefill makes one ``HandleIssuer`` for its life: its gRPC address, instance id, rendezvous
+   store, KV backend, model fingerprint, expert-parallel rank and KV layout;
+2. each KV it parks gets a handle (``HandleIssuer.issue``): a fresh random id of
+   ``HANDLE_ID_BYTES``, the token count, the packed size, the lease deadline and the shape and
+   dtype of every tensor, under ``HANDLE_VERSION``;
+3. the handle travels prefill -> gateway -> decode inside gRPC messages;
+4. before any byte moves, the decode checks it against its own model (``HandleCheck.problem``):
+   version, fingerprint, backend, token count, tensors and size; a decode refuses what it cannot
+   use with FAILED_PRECONDITION;
+5. the decode redeems it on the prefill named in it (PullKv/PullKvMany by id); a prefill that
+   has torn the pair's generation down answers ABORTED with the lowest generation it takes in the
+   trailing metadata ``MIN_GENERATION_METADATA``.
+"""
 
 from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Protocol
 
 from pdserve.kv.layout import KvLayout, spec_from_proto
 from pdserve.v1 import kv_pb2
 
+HANDLE_VERSION = 1
+HANDLE_ID_BYTES = 16
+# Trailing metadata of a pull refused with ABORTED: the lowest pair generation the prefill takes.
+MIN_GENERATION_METADATA = "pdserve-min-pair-generation"
 MAX_CACHED_LAYOUTS = 4096
 
 
-class KvCompatibility:
-    """The checks of one decode; the expected tensors per token count are kept for the fast path."""
+def new_handle_id() -> bytes:
+    return secrets.token_bytes(HANDLE_ID_BYTES)
+
+
+def is_handle_id(value: bytes) -> bool:
+    return len(value) == HANDLE_ID_BYTES
+
+
+def describe(handle: kv_pb2.KvHandle) -> str:
+    """A handle in one line, for logs (never for clients)."""
+    return (
+        f"KV {handle.id.hex()} ({handle.num_tokens} tokens, {handle.num_bytes} bytes) on "
+        f"{handle.prefill_address} rank {handle.rank}"
+    )
+
+
+class Parked(Protocol):
+    """What a handle is issued for: a KV parked under a lease."""
+
+    @property
+    def handle_id(self) -> bytes: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_bytes(self) -> int: ...
+    @property
+    def expires_at_unix(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class HandleIssuer:
+    """Issues the handles of one prefill process (or one rank of a prefill group)."""
+
+    prefill_address: str
+    prefill_instance_id: str
+    rendezvous_address: str
+    backend: str
+    model_fingerprint: str
+    layout: KvLayout
+    rank: int = 0
+
+    def issue(self, parked: Parked) -> kv_pb2.KvHandle:
+        return kv_pb2.KvHandle(
+            version=HANDLE_VERSION,
+            id=parked.handle_id,
+            prefill_address=self.prefill_address,
+            prefill_instance_id=self.prefill_instance_id,
+            rendezvous_address=self.rendezvous_address,
+            backend=self.backend,
+            model_fingerprint=self.model_fingerprint,
+            num_tokens=parked.num_tokens,
+            tensors=[spec.to_proto() for spec in self.layout.tensor_specs(parked.num_tokens)],
+            num_bytes=parked.num_bytes,
+            expires_at_unix=parked.expires_at_unix,
+            rank=self.rank,
+        )
+
+
+class HandleCheck:
+    """Whether one decode can use a handle's KV; the expected tensors per token count are kept for
+    the fast path."""
 
     def __init__(self, fingerprint: str, backend: str, layout: KvLayout) -> None:
         self._fingerprint = fingerprint
@@ -19,6 +101,10 @@ class KvCompatibility:
 
     def problem(self, handle: kv_pb2.KvHandle) -> str | None:
         """Why this decode cannot use the handle's KV, or None when it can."""
+        if handle.version != HANDLE_VERSION:
+            return (
+                f"KV handle version {handle.version} is not the version this decode reads ({HANDLE_VERSION})"
+            )
         if handle.model_fingerprint != self._fingerprint:
             return f"model fingerprint {handle.model_fingerprint!r} differs from this decode's {self._fingerprint!r}"
         if handle.backend != self._backend:

@@ -27,13 +27,14 @@ from pdserve.bench.kv.peer import (
     run_peer,
 )
 from pdserve.kv.channel import PREFILL_RANK, PairChannel, transfer_device
+from pdserve.kv.handle import HandleIssuer
 from pdserve.kv.layout import pack, unpack
 from pdserve.kv.rendezvous import host_store
 from pdserve.v1 import kv_pb2, prefill_pb2_grpc
 from prefill_service.kv_registry import KvRegistry
 from prefill_service.kv_sender import KvSender
 from prefill_service.metrics import PrefillMetrics
-from prefill_service.servicer import KvHandoffServicer, kv_handle
+from prefill_service.servicer import KvHandoffServicer
 
 
 async def run(config: BenchKvConfig, emit: Callable[[dict[str, Any]], None]) -> None:
@@ -52,12 +53,13 @@ async def run(config: BenchKvConfig, emit: Callable[[dict[str, Any]], None]) -> 
     prefill_pb2_grpc.add_PrefillServicer_to_server(KvHandoffServicer(registry, sender, metrics), server)
     port = server.add_insecure_port(f"{config.host}:0")
     await server.start()
-    template = kv_pb2.KvHandle(
+    template = HandleIssuer(
         prefill_address=f"{config.host}:{port}",
         prefill_instance_id=instance_id,
         rendezvous_address=rendezvous,
         backend=backend,
         model_fingerprint=FINGERPRINT,
+        layout=config.layout(),
     )
     peer = multiprocessing.get_context("spawn").Process(
         target=run_peer, args=(config, rendezvous), name="bench-kv-decode", daemon=True
@@ -88,7 +90,7 @@ async def _measure(
     store: Any,
     raw: PairChannel,
     registry: KvRegistry,
-    template: kv_pb2.KvHandle,
+    template: HandleIssuer,
     handoff: Any,
 ) -> dict[str, Any]:
     layout = config.layout()
@@ -135,7 +137,7 @@ async def _measure(
     received_kv = ""
     for i in range(config.repeat + 1):
         entry = registry.park(buf, num_tokens)
-        handle = kv_handle(template, entry, layout)
+        handle = template.issue(entry)
         last = i == config.repeat
         sent_at = clock.now()
         timed = await handoff(handle, metadata=((DIGEST_METADATA, "1"),) if last else None)

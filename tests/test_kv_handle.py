@@ -1,0 +1,91 @@
+"""The KV handle module alone: what an issued handle carries and what a decode's check refuses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from pdserve.kv.handle import (
+    HANDLE_ID_BYTES,
+    HANDLE_VERSION,
+    HandleCheck,
+    HandleIssuer,
+    describe,
+    is_handle_id,
+    new_handle_id,
+)
+from pdserve.kv.layout import KvLayout
+from pdserve.v1 import kv_pb2
+
+LAYOUT = KvLayout(keys=((2, 4), (2, 4)), values=((2, 3), (2, 3)), dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class Parked:
+    handle_id: bytes
+    num_tokens: int
+    num_bytes: int
+    expires_at_unix: float
+
+
+def issuer(rank: int = 0) -> HandleIssuer:
+    return HandleIssuer("p:1", "prefill-a", "p:2", "gloo", "fp", LAYOUT, rank)
+
+
+def issued(num_tokens: int = 5) -> kv_pb2.KvHandle:
+    parked = Parked(new_handle_id(), num_tokens, LAYOUT.num_bytes(num_tokens), 123.5)
+    return issuer(rank=1).issue(parked)
+
+
+def test_an_issued_handle_carries_the_prefill_the_lease_and_every_tensor() -> None:
+    handle = issued(5)
+    assert handle.version == HANDLE_VERSION
+    assert len(handle.id) == HANDLE_ID_BYTES and is_handle_id(handle.id)
+    assert (handle.prefill_address, handle.prefill_instance_id, handle.rendezvous_address) == (
+        "p:1",
+        "prefill-a",
+        "p:2",
+    )
+    assert (handle.backend, handle.model_fingerprint, handle.rank) == ("gloo", "fp", 1)
+    assert (handle.num_tokens, handle.num_bytes, handle.expires_at_unix) == (5, LAYOUT.num_bytes(5), 123.5)
+    assert [t.name for t in handle.tensors] == [s.name for s in LAYOUT.tensor_specs(5)]
+    assert [tuple(t.shape) for t in handle.tensors] == [s.shape for s in LAYOUT.tensor_specs(5)]
+    assert handle.id.hex() in describe(handle) and "p:1" in describe(handle)
+
+
+def test_ids_are_random_and_of_one_length() -> None:
+    ids = {new_handle_id() for _ in range(100)}
+    assert len(ids) == 100
+    assert not is_handle_id(b"") and not is_handle_id(b"x" * (HANDLE_ID_BYTES + 1))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("version", HANDLE_VERSION + 1, "version"),
+        ("version", 0, "version"),
+        ("model_fingerprint", "other", "fingerprint"),
+        ("backend", "nccl", "backend"),
+        ("num_tokens", 0, "no tokens"),
+        ("num_bytes", 1, "size"),
+    ],
+)
+def test_the_check_refuses_what_this_decode_cannot_use(field: str, value: object, message: str) -> None:
+    check = HandleCheck("fp", "gloo", LAYOUT)
+    handle = issued(5)
+    assert check.problem(handle) is None
+    setattr(handle, field, value)
+    problem = check.problem(handle)
+    assert problem is not None and message in problem
+
+
+def test_the_check_refuses_another_layout() -> None:
+    check = HandleCheck("fp", "gloo", LAYOUT)
+    handle = issued(5)
+    handle.tensors[3].shape[2] += 1
+    assert "layout" in (check.problem(handle) or "")
+    handle = issued(5)
+    handle.tensors[0].dtype = "no-such-dtype"
+    assert "no-such-dtype" in (check.problem(handle) or "")
