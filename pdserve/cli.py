@@ -80,10 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _service_runner(name: str, cls: type) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        try:
-            config: Any = flags.build(cls, args)
-        except ValueError as exc:
-            print(f"pdserve {name}: {exc}", file=sys.stderr)
+        config: Any = flags.build_or_report(cls, args, f"pdserve {name}")
+        if config is None:
             return 2
         _serve(name, config)
         return 0

@@ -516,7 +516,7 @@ def test_up_announces_and_serves_http(cache_dir: Path, tmp_path: Path) -> None:
 
 
 def test_up_passes_and_pins_the_http_port() -> None:
-    from pdserve.launch import supervisor as launcher
+    from pdserve.launch import spec as launcher
 
     config = launcher.UpConfig(http_port=0)
     spec = launcher.LaunchSpec(

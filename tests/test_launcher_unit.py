@@ -28,8 +28,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdserve.config import flags
+from pdserve.core import processes
+from pdserve.launch import spec as launch_spec
 from pdserve.launch import supervisor as launcher
-from pdserve.launch.supervisor import LaunchSpec, Supervisor, UpConfig
+from pdserve.launch.spec import LaunchSpec, UpConfig
+from pdserve.launch.supervisor import Supervisor
 from pdserve.rpc import health_client
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -98,7 +102,8 @@ while True:
 # Runs a Supervisor over the fake children in its own process (for signal tests).
 RUNNER = r"""
 import json, sys
-from pdserve.launch.supervisor import Supervisor, UpConfig, service_command
+from pdserve.launch.spec import UpConfig, service_command
+from pdserve.launch.supervisor import Supervisor
 
 config = UpConfig(**json.loads(sys.argv[1]))
 fake, log, behaviors = sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
@@ -135,7 +140,7 @@ class Fakes:
         self, config: UpConfig, behaviors: Mapping[str, str], report_grpc: str = ""
     ) -> Callable[[LaunchSpec], list[str]]:
         def build(spec: LaunchSpec) -> list[str]:
-            argv = [sys.executable, str(self.script), *launcher.service_command(config, spec)[3:]]
+            argv = [sys.executable, str(self.script), *launch_spec.service_command(config, spec)[3:]]
             argv += [
                 "--name",
                 spec.name,
@@ -144,7 +149,7 @@ class Fakes:
                 "--behavior",
                 behaviors.get(spec.name, "serve"),
             ]
-            if spec.role == launcher.GATEWAY and report_grpc:
+            if spec.role == launch_spec.GATEWAY and report_grpc:
                 argv += ["--report-grpc", report_grpc]
             return argv
 
@@ -236,29 +241,29 @@ def running() -> Iterator[Callable[[Supervisor], Running]]:
 
 def test_parse_ready_line() -> None:
     line = '{"ready": true, "service": "prefill", "grpc": "127.0.0.1:1", "kv_rendezvous": "h:3", "pid": 7}\n'
-    assert launcher.parse_ready_line(line) == {"grpc": "127.0.0.1:1", "kv_rendezvous": "h:3", "pid": 7}
-    assert launcher.parse_ready_line("loading weights...\n") is None
-    assert launcher.parse_ready_line("{not json\n") is None
-    assert launcher.parse_ready_line('{"ready": false, "grpc": "h:1"}') is None
-    assert launcher.parse_ready_line('{"ready": true}') is None
-    assert launcher.parse_ready_line('{"ready": "yes", "grpc": "h:1"}') is None
-    assert launcher.parse_ready_line("[1, 2]") is None
+    assert launch_spec.parse_ready_line(line) == {"grpc": "127.0.0.1:1", "kv_rendezvous": "h:3", "pid": 7}
+    assert launch_spec.parse_ready_line("loading weights...\n") is None
+    assert launch_spec.parse_ready_line("{not json\n") is None
+    assert launch_spec.parse_ready_line('{"ready": false, "grpc": "h:1"}') is None
+    assert launch_spec.parse_ready_line('{"ready": true}') is None
+    assert launch_spec.parse_ready_line('{"ready": "yes", "grpc": "h:1"}') is None
+    assert launch_spec.parse_ready_line("[1, 2]") is None
 
 
 def test_pin_ports_takes_the_announced_ports() -> None:
     spec = LaunchSpec("prefill", 1)
     info = {"grpc": "127.0.0.1:4001", "metrics": "127.0.0.1:4002", "kv_rendezvous": "127.0.0.1:4003"}
-    assert launcher.pin_ports(spec, info) == LaunchSpec(
+    assert launch_spec.pin_ports(spec, info) == LaunchSpec(
         "prefill", 1, port=4001, metrics_port=4002, kv_port=4003
     )
-    assert launcher.pin_ports(LaunchSpec("decode"), {"grpc": "[::1]:9"}).port == 9
-    assert launcher.port_of(None) == 0
-    assert launcher.port_of("no-port") == 0
+    assert launch_spec.pin_ports(LaunchSpec("decode"), {"grpc": "[::1]:9"}).port == 9
+    assert launch_spec.port_of(None) == 0
+    assert launch_spec.port_of("no-port") == 0
 
 
 def test_service_command() -> None:
     config = UpConfig(model="tiny-llama", device="cpu", threads=2, cache_dir="/tmp/c")
-    prefill = launcher.service_command(config, LaunchSpec("prefill", 0, port=1, metrics_port=2, kv_port=3))
+    prefill = launch_spec.service_command(config, LaunchSpec("prefill", 0, port=1, metrics_port=2, kv_port=3))
     assert prefill[:4] == [sys.executable, "-m", "pdserve", "prefill"]
     flags = dict(zip(prefill[4::2], prefill[5::2], strict=True))
     assert flags == {
@@ -272,16 +277,16 @@ def test_service_command() -> None:
         "--kv-port": "3",
         "--cache-dir": "/tmp/c",
     }
-    decode = launcher.service_command(UpConfig(prefill_ep=4, decode_ep=2), LaunchSpec("decode"))
+    decode = launch_spec.service_command(UpConfig(prefill_ep=4, decode_ep=2), LaunchSpec("decode"))
     assert "--kv-port" not in decode and "--cache-dir" not in decode
     assert dict(zip(decode[4::2], decode[5::2], strict=True))["--ep"] == "2"
-    colocated = launcher.service_command(
+    colocated = launch_spec.service_command(
         UpConfig(mode="colocated", prefill_ep=2, compile=True), LaunchSpec("colocated")
     )
     flags = dict(zip(colocated[4::2], colocated[5::2], strict=True))
     assert flags["--ep"] == "2" and flags["--compile"] == "true"
     assert "--compile" not in decode
-    gateway = launcher.service_command(
+    gateway = launch_spec.service_command(
         UpConfig(port=8000), LaunchSpec("gateway", port=8000, prefill=("h:1", "h:2"), decode=("h:3",))
     )
     flags = dict(zip(gateway[4::2], gateway[5::2], strict=True))
@@ -292,11 +297,11 @@ def test_service_command() -> None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_with_parent_death_signal_execs_the_command() -> None:
     argv = [sys.executable, "-c", "import os, sys; print(os.getpid(), sys.argv[1:])", "a b", "--c"]
-    wrapped = launcher.with_parent_death_signal(argv, os.getpid())
+    wrapped = processes.with_parent_death_signal(argv, os.getpid())
     proc = subprocess.run(wrapped, capture_output=True, text=True, timeout=30, check=True)
     assert proc.stdout.split(" ", 1)[1] == "['a b', '--c']\n"
     # A child whose supervisor is already gone does not start.
-    orphan = launcher.with_parent_death_signal(argv, 1 if os.getpid() != 1 else 2)
+    orphan = processes.with_parent_death_signal(argv, 1 if os.getpid() != 1 else 2)
     proc = subprocess.run(orphan, capture_output=True, text=True, timeout=30, check=False)
     assert proc.returncode == 1 and proc.stdout == ""
     assert "supervisor died" in proc.stderr
@@ -340,11 +345,11 @@ def test_up_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = argparse.ArgumentParser()
     launcher.add_up_arguments(parser)
     args = parser.parse_args(["--demo", "--prefill-replicas", "2", "--port", "0"])
-    config = launcher.flags.build(UpConfig, args)
+    config = flags.build(UpConfig, args)
     assert config.demo is True
     assert (config.prefill_replicas, config.decode_replicas, config.port) == (2, 3, 0)
-    assert launcher.flags.build(UpConfig, parser.parse_args(["--demo", "false"])).demo is False
-    assert launcher.flags.build(UpConfig, parser.parse_args([])).demo is False
+    assert flags.build(UpConfig, parser.parse_args(["--demo", "false"])).demo is False
+    assert flags.build(UpConfig, parser.parse_args([])).demo is False
 
 
 def test_run_up_from_args_rejects_a_bad_config(capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,10 +27,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """``pdserve bench``: 0 when at least one request completed, 1 otherwise, 2 on bad flags."""
-    try:
-        config = flags.build(BenchConfig, args)
-    except ValueError as error:
-        print(f"pdserve bench: {error}", file=sys.stderr)
+    config = flags.build_or_report(BenchConfig, args, "pdserve bench")
+    if config is None:
         return 2
     import aiohttp
 

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import sys
 import typing
 from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
@@ -126,6 +127,16 @@ def _leaf(config: Any, path: tuple[str, ...]) -> Any:
     for name in path:
         config = getattr(config, name)
     return config
+
+
+def build_or_report(cls: type[T], args: argparse.Namespace, command: str) -> T | None:
+    """``build``, or None after telling the user on stderr why the flags are wrong (the command
+    then exits 2, as argparse does)."""
+    try:
+        return build(cls, args)
+    except ValueError as error:
+        print(f"{command}: error: {error}", file=sys.stderr)
+        return None
 
 
 def build(cls: type[T], args: argparse.Namespace) -> T:

@@ -40,9 +40,7 @@ from pdserve.launch.spec import (
     COLOCATED,
     DECODE,
     GATEWAY,
-    MODES,
     PREFILL,
-    ROLES,
     CommandBuilder,
     HealthCheck,
     LaunchSpec,
@@ -51,34 +49,9 @@ from pdserve.launch.spec import (
     parse_ready_line,
     pdserve_executable,
     pin_ports,
-    port_of,
     service_command,
 )
 from pdserve.rpc import health_client
-
-__all__ = [
-    "COLOCATED",
-    "DECODE",
-    "GATEWAY",
-    "MODES",
-    "PREFILL",
-    "ROLES",
-    "CommandBuilder",
-    "HealthCheck",
-    "LaunchSpec",
-    "Supervisor",
-    "UpConfig",
-    "add_up_arguments",
-    "describe_exit",
-    "parse_ready_line",
-    "pdserve_executable",
-    "pin_ports",
-    "port_of",
-    "run_up",
-    "run_up_from_args",
-    "service_command",
-    "with_parent_death_signal",
-]
 
 logger = logging.getLogger(__name__)
 
@@ -568,10 +541,8 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_up_from_args(args: argparse.Namespace) -> int:
     """``pdserve up``: 0 after a requested stop, 1 on failure, 2 on a bad configuration."""
-    try:
-        config = flags.build(UpConfig, args)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
+    config = flags.build_or_report(UpConfig, args, "pdserve up")
+    if config is None:
         return 2
     configure_logging()
     return run_up(config)

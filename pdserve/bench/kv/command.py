@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 from typing import Any
 
 from pdserve.bench.kv.config import BenchKvConfig
@@ -50,10 +49,8 @@ def add_bench_kv_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench_kv(args: argparse.Namespace) -> int:
     """0 when every size arrived intact, 1 when one did not, 2 on bad flags."""
-    try:
-        config = flags.build(BenchKvConfig, args)
-    except ValueError as exc:
-        print(f"pdserve bench-kv: {exc}", file=sys.stderr)
+    config = flags.build_or_report(BenchKvConfig, args, "pdserve bench-kv")
+    if config is None:
         return 2
     results: list[dict[str, Any]] = []
 
