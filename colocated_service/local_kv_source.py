@@ -20,13 +20,12 @@ class LocalKvSource:
         self,
         registry: KvRegistry,
         fingerprint: str,
-        backend: str,
         layout: KvLayout,
         metrics: DecodeMetrics,
         prefill_metrics: PrefillMetrics,
     ) -> None:
         self._registry = registry
-        self._compatibility = HandleCheck(fingerprint, backend, layout)
+        self._compatibility = HandleCheck(fingerprint, layout)
         self._layout = layout
         self._metrics = metrics
         self._prefill_metrics = prefill_metrics

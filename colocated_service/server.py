@@ -48,13 +48,11 @@ def build_colocated(
     config: ColocatedConfig, engine_model: EngineModel, server: ServiceServer, rank: int = 0
 ) -> ColocatedParts:
     prefill = build_prefill(config.prefill_config(), engine_model, server, rank)
-    backend = config.transfer.backend_for(config.engine.device)
 
     def local_source(metrics: DecodeMetrics) -> LocalKvSource:
         return LocalKvSource(
             prefill.registry,
             engine_model.fingerprint,
-            backend,
             engine_model.kv_layout,
             metrics,
             prefill.metrics,

@@ -44,7 +44,7 @@ class DecodeMetrics:
         )
         self.kv_pull_seconds = Histogram(
             "pdserve_kv_pull_seconds",
-            "Duration of KV pulls (PullKv call to data received)",
+            "Duration of KV pulls (pull call to data received, or to the KV opened in place)",
             buckets=TRANSFER_BUCKETS,
             registry=registry,
         )
@@ -60,6 +60,17 @@ class DecodeMetrics:
         self.kv_transfer_threads = Gauge(
             "pdserve_kv_transfer_threads",
             "Transfer threads alive (one per open pair when no transfer is ending)",
+            registry=registry,
+        )
+        self.kv_transport_pulls = Counter(
+            "pdserve_kv_transport_pulls",
+            "KV pulls completed, by transport (shm, cuda-ipc, nccl, gloo)",
+            ["transport"],
+            registry=registry,
+        )
+        self.kv_borrowed = Gauge(
+            "pdserve_kv_borrowed_handles",
+            "KVs read in place from a prefill of this host and not given back yet",
             registry=registry,
         )
         self.kv_refused = Counter(

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -24,6 +25,7 @@ from decode_service.servicer import DecodeServicer
 from pdserve.config import DecodeConfig
 from pdserve.hosting.service_kind import RankParts, ServiceKind
 from pdserve.hosting.service_main import serve_service
+from pdserve.kv import cuda_ipc, shared_memory
 from pdserve.model.engine_model import EngineModel
 from pdserve.rpc.server import ServiceServer
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
@@ -63,15 +65,19 @@ def build_decode(
     remote prefills; ``kv_source`` replaces that (a colocated decode takes it in-process)."""
     metrics = DecodeMetrics(CollectorRegistry())
     if kv_source is None:
+        shm_dir = config.transfer.kv_shm_dir
+        host_id = shared_memory.host_id(Path(shm_dir)) if shm_dir else ""
         source: KvSource = KvPuller(
             uuid.uuid4().hex,
             engine_model.fingerprint,
             engine_model.kv_layout,
-            config.transfer.backend_for(config.engine.device),
+            config.transfer.kv_backend,
             engine_model.device,
             config.server.public_host,
             timedelta(seconds=config.transfer.transfer_timeout_s),
             metrics,
+            place=cuda_ipc.place_of(engine_model.device, host_id),
+            shm_dir=shm_dir,
         )
     else:
         source = kv_source(metrics)

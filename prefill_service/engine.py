@@ -7,8 +7,8 @@ Lifecycle of a request here:
    ``logits_to_keep=1``: every row's last position is its prompt's last token;
 3. each row's first token is sampled from that forward's logits at step 0;
 4. a request complete at that token (max_tokens=1, EOS, a stop token or stop string) keeps
-   nothing; otherwise its prompt's KV is packed into one buffer on the transfer device, ready to
-   be parked under a handle;
+   nothing; otherwise its prompt's KV is packed into one buffer of the prefill's KV space (its
+   shared-memory arena, or private memory), ready to be parked under a handle;
 5. every request of the batch gets its result the moment that forward ends.
 
 ``warm_up`` (``--compile``, before the service is ready) runs this same forward on dummy prompts,
@@ -30,9 +30,11 @@ from transformers import DynamicCache
 
 from pdserve.core.finish import first_token_reason
 from pdserve.core.sampling import SamplingParams, sample
-from pdserve.kv.layout import pack
+from pdserve.kv.layout import pack_into
+from pdserve.kv.transports import GLOO, Place
 from pdserve.model.engine_model import EngineModel
 from pdserve.model.warm_up import WarmUp
+from prefill_service.kv_space import KvSpace, ParkedBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +48,14 @@ WARM_UP_BATCHES: tuple[tuple[int, ...], ...] = ((7,), (12,), (1,), (9, 5), (6, 1
 class PrefillResult:
     first_token_id: int
     finish_reason: str | None
-    kv_buffer: torch.Tensor | None
+    kv: ParkedBuffer | None  # the packed KV, when the request goes on to decode
     num_tokens: int
     forward_seconds: float
     batch_size: int
+
+    @property
+    def kv_buffer(self) -> torch.Tensor | None:
+        return self.kv.tensor if self.kv is not None else None
 
 
 @dataclass
@@ -62,10 +68,13 @@ class _Pending:
 
 class PrefillEngine:
     def __init__(
-        self, engine_model: EngineModel, transfer_device: torch.device, max_batch_tokens: int = 8192
+        self, engine_model: EngineModel, kv_space: KvSpace | torch.device, max_batch_tokens: int = 8192
     ) -> None:
+        """``kv_space``: where KV is parked (a device: private memory there, moved over gloo)."""
         self._m = engine_model
-        self._transfer_device = transfer_device
+        if isinstance(kv_space, torch.device):
+            kv_space = KvSpace(GLOO, Place("", str(kv_space)), kv_space)
+        self._space = kv_space
         self._max_batch_tokens = max_batch_tokens
         self._queue: queue.SimpleQueue[_Pending | WarmUp | None] = queue.SimpleQueue()
         self._held: _Pending | WarmUp | None = None
@@ -181,15 +190,14 @@ class PrefillEngine:
             reason = first_token_reason(token, row_params, m.limits.eos_token_ids, self._token_text)
             buffer = None
             if reason is None:
-                buffer = pack(
-                    layers, m.kv_layout, row, longest - lengths[row], lengths[row], self._transfer_device
-                )
+                buffer = self._space.allocate(m.kv_layout.num_bytes(lengths[row]))
+                pack_into(buffer.tensor, layers, m.kv_layout, row, longest - lengths[row], lengths[row])
             results.append(PrefillResult(token, reason, buffer, lengths[row], 0.0, len(prompts)))
         if m.device.type == "cuda":
             torch.cuda.synchronize(m.device)
         elapsed = time.perf_counter() - start
         return [
-            PrefillResult(r.first_token_id, r.finish_reason, r.kv_buffer, r.num_tokens, elapsed, r.batch_size)
+            PrefillResult(r.first_token_id, r.finish_reason, r.kv, r.num_tokens, elapsed, r.batch_size)
             for r in results
         ]
 

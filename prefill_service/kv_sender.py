@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from pdserve.kv.channel import PREFILL_RANK, PairChannel, transfer_threads
 from pdserve.kv.rendezvous import pair_prefix
+from pdserve.kv.transports import GLOO
 from prefill_service.kv_registry import ParkedKv
 from prefill_service.metrics import PrefillMetrics
 
@@ -96,6 +97,11 @@ class KvSender:
         return self._in_flight
 
     @property
+    def default_backend(self) -> str:
+        """The backend of a pull that names none."""
+        return self._backend
+
+    @property
     def num_pairs(self) -> int:
         return len(self._pairs)
 
@@ -105,25 +111,40 @@ class KvSender:
             self._check_generation(decode_instance_id, generation)
 
     def send(
-        self, entries: Sequence[ParkedKv], decode_instance_id: str, generation: int
+        self,
+        entries: Sequence[ParkedKv],
+        decode_instance_id: str,
+        generation: int,
+        backend: str | None = None,
     ) -> concurrent.futures.Future[None]:
-        """Posts one send to that decode of the taken handles' buffers, concatenated in order; they
-        are freed when it ends.
+        """Posts one send to that decode of the taken handles' buffers, concatenated in order, over
+        a pair of ``backend`` (None: this sender's default); they are freed when it ends.
 
         Raises StaleGeneration, or TransferError when the pair cannot take the send.
         """
         if not entries:
             raise ValueError("nothing to send")
-        buffer = entries[0].buffer if len(entries) == 1 else torch.cat([e.buffer for e in entries])
+        backend = backend or self._backend
+        parts = [e.buffer for e in entries]
+        buffer = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if backend == GLOO and buffer.device.type != "cpu":
+            buffer = buffer.to("cpu")  # a GPU-parked KV for a decode that only takes gloo
         with self._lock:
-            pair = self._pair(decode_instance_id, generation)
-            future = pair.channel.send(buffer)
+            try:
+                pair = self._pair(decode_instance_id, generation, backend)
+                future = pair.channel.send(buffer)
+            except BaseException:
+                for entry in entries:
+                    entry.free()
+                raise
             self._in_flight += 1
         started = time.perf_counter()
         num_bytes = sum(e.num_bytes for e in entries)
 
         def done(f: concurrent.futures.Future[None]) -> None:
             exc = f.exception()
+            for entry in entries:
+                entry.free()
             with self._lock:
                 self._in_flight -= 1
                 pair.last_used = self._clock()
@@ -161,13 +182,14 @@ class KvSender:
         if generation < minimum:
             raise StaleGeneration(decode_instance_id, generation, minimum)
 
-    def _pair(self, decode_instance_id: str, generation: int) -> _Pair:
+    def _pair(self, decode_instance_id: str, generation: int, backend: str) -> _Pair:
         now = self._clock()
         self._reap(now, keep=decode_instance_id)
         self._check_generation(decode_instance_id, generation)
         current = self._pairs.get(decode_instance_id)
         if current is not None:
-            if current.generation == generation and current.channel.is_usable:
+            reusable = current.channel.is_usable and current.channel.backend == backend
+            if current.generation == generation and reusable:
                 current.last_used = now
                 return current
             logger.info(
@@ -182,7 +204,7 @@ class KvSender:
             self._store,
             pair_prefix(self._instance_id, decode_instance_id, generation),
             PREFILL_RANK,
-            self._backend,
+            backend,
             self._device,
             self._local_host,
             self._timeout,

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.model.compile import CompiledFrames
+
+if TYPE_CHECKING:
+    from prefill_service.kv_lender import KvLender
+    from prefill_service.kv_space import KvSpace
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -76,6 +81,35 @@ class PrefillMetrics:
             "Pulls refused because they named a pair generation already torn down",
             registry=registry,
         )
+        self.kv_transport_pulls = Counter(
+            "pdserve_kv_transport_pulls",
+            "KV pulls started by decodes, by transport (shm, cuda-ipc, nccl, gloo)",
+            ["transport"],
+            registry=registry,
+        )
+        self.kv_lent_handles = Gauge(
+            "pdserve_kv_lent_handles",
+            "KVs lent to decodes of this host (read in place), not yet given back",
+            registry=registry,
+        )
+        self.kv_lent_bytes = Gauge("pdserve_kv_lent_bytes", "Bytes of KV lent to decodes", registry=registry)
+        self.kv_given_back = Counter(
+            "pdserve_kv_given_back", "Lent KVs given back by their decode", registry=registry
+        )
+        self.kv_reclaimed = Counter(
+            "pdserve_kv_reclaimed", "Lent KVs freed because their decode died", registry=registry
+        )
+        self.kv_arena_bytes = Gauge(
+            "pdserve_kv_arena_bytes", "Size of the shared-memory KV arena (0: none)", registry=registry
+        )
+        self.kv_arena_used_bytes = Gauge(
+            "pdserve_kv_arena_used_bytes", "Bytes of the shared-memory KV arena in use", registry=registry
+        )
+        self.kv_arena_misses = Counter(
+            "pdserve_kv_arena_misses",
+            "KVs parked in private memory because the shared-memory arena was full",
+            registry=registry,
+        )
         self.compiles = CompiledFrames("pdserve_prefill_compiles", registry)
         self.warmup_seconds = Gauge(
             "pdserve_prefill_warmup_seconds",
@@ -86,3 +120,10 @@ class PrefillMetrics:
     def track_parked(self, num_handles: Callable[[], int], num_bytes: Callable[[], int]) -> None:
         self.parked_handles.set_function(num_handles)
         self.parked_bytes.set_function(num_bytes)
+
+    def track_lent(self, lender: KvLender, space: KvSpace) -> None:
+        self.kv_lent_handles.set_function(lambda: lender.num_lent)
+        self.kv_lent_bytes.set_function(lambda: lender.num_bytes_lent)
+        arena = space.arena
+        self.kv_arena_bytes.set(arena.capacity if arena is not None else 0)
+        self.kv_arena_used_bytes.set_function(lambda: space.arena_bytes_used)

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
+from pathlib import Path
 
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
@@ -20,16 +23,20 @@ from prometheus_client import CollectorRegistry
 from pdserve.config import PrefillConfig
 from pdserve.hosting.service_kind import RankParts, ServiceKind
 from pdserve.hosting.service_main import serve_service
-from pdserve.kv.channel import transfer_device
+from pdserve.kv import cuda_ipc, shared_memory
 from pdserve.kv.handle import HandleIssuer
 from pdserve.kv.layout import dtype_name
 from pdserve.kv.rendezvous import host_store
+from pdserve.kv.shared_memory import InstanceLock, SharedArena
+from pdserve.kv.transports import AUTO, SHM, offers
 from pdserve.model.engine_model import EngineModel
 from pdserve.rpc.server import ServiceServer
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from prefill_service.engine import PrefillEngine
+from prefill_service.kv_lender import KvLender
 from prefill_service.kv_registry import KvRegistry
 from prefill_service.kv_sender import KvSender
+from prefill_service.kv_space import KvSpace
 from prefill_service.metrics import PrefillMetrics
 from prefill_service.servicer import PrefillServicer
 
@@ -38,14 +45,52 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 PREFILL_WORK = f"/{SERVICE_NAME}/Prefill"
 EXPIRY_INTERVAL_S = 0.25
+MAX_DEFAULT_ARENA_BYTES = 4 << 30
 
 
-async def expire_leases(registry: KvRegistry, metrics: PrefillMetrics) -> None:
+async def expire_leases(registry: KvRegistry, lender: KvLender, metrics: PrefillMetrics) -> None:
+    """Frees KV whose lease ended unpulled, and KV lent to decodes that died."""
     while True:
         await asyncio.sleep(EXPIRY_INTERVAL_S)
         for entry in registry.expire():
             metrics.kv_expiries.inc()
             logger.info("KV handle %s expired unpulled (%d bytes)", entry.handle_id.hex(), entry.num_bytes)
+        metrics.kv_reclaimed.inc(await asyncio.to_thread(lender.reclaim))
+
+
+def shared_memory_arena(
+    config: PrefillConfig, instance_id: str
+) -> tuple[str, SharedArena | None, InstanceLock | None]:
+    """This prefill's shared-memory domain, arena and instance lock (none when it has no use for them:
+    no shared memory, a GPU prefill, or a transport that is not shm)."""
+    if not config.transfer.kv_shm_dir:
+        return "", None, None
+    directory = Path(config.transfer.kv_shm_dir)
+    host = shared_memory.host_id(directory)
+    if not host or config.engine.device != "cpu" or config.transfer.kv_backend not in (AUTO, SHM):
+        return host, None, None
+    capacity = config.kv_shm_bytes or default_arena_bytes(directory)
+    if capacity <= 0:
+        return host, None, None
+    shared_memory.sweep(directory)
+    lock = InstanceLock(directory, instance_id)  # before the arena: a sweep never takes it for a dead one
+    try:
+        return host, SharedArena(directory, instance_id, capacity), lock
+    except OSError as exc:
+        lock.release()
+        logger.warning(
+            "no shared-memory KV arena of %d bytes in %s (%s): KV moves over gloo", capacity, directory, exc
+        )
+        return host, None, None
+
+
+def default_arena_bytes(directory: Path) -> int:
+    """A quarter of the shared-memory filesystem, at most ``MAX_DEFAULT_ARENA_BYTES``."""
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return 0
+    return min(stats.f_frsize * stats.f_blocks // 4, MAX_DEFAULT_ARENA_BYTES)
 
 
 @dataclass
@@ -56,15 +101,18 @@ class PrefillParts:
     metrics: PrefillMetrics
     registry: KvRegistry
     sender: KvSender
+    lender: KvLender
+    space: KvSpace
     engine: PrefillEngine
     store: dist.TCPStore
     kv_rendezvous: str
+    lock: InstanceLock | None = None
 
     def busy(self) -> int:
-        return self.registry.num_parked + self.sender.num_in_flight
+        return self.registry.num_parked + self.sender.num_in_flight + self.lender.num_lent
 
     async def run_expiry(self) -> None:
-        await expire_leases(self.registry, self.metrics)
+        await expire_leases(self.registry, self.lender, self.metrics)
 
     def warm_up(self) -> None:
         """Compiled forwards (``--compile``): runs them once on dummy prompts; nothing otherwise."""
@@ -74,6 +122,10 @@ class PrefillParts:
     def close(self) -> None:
         self.sender.close()
         self.engine.close()
+        self.lender.close()
+        self.space.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def build_prefill(
@@ -82,38 +134,45 @@ def build_prefill(
     """The prefill's parts, with its servicer added to ``server``; its KV handles name ``rank``
     (of an expert-parallel group) and ``server``'s address."""
     backend = config.transfer.backend_for(config.engine.device)
-    device = transfer_device(backend, engine_model.device)
     timeout = timedelta(seconds=config.transfer.transfer_timeout_s)
     instance_id = uuid.uuid4().hex
     host = config.server.public_host
     store = host_store(config.server.host, config.kv_port, timeout)
+    host_id, arena, lock = shared_memory_arena(config, instance_id)
+    place = cuda_ipc.place_of(engine_model.device, host_id)
+    space = KvSpace(config.transfer.kv_backend, place, engine_model.device, arena)
 
     metrics = PrefillMetrics(CollectorRegistry())
     registry = KvRegistry(config.lease_s)
+    lender = KvLender(partial(shared_memory.is_alive, Path(config.transfer.kv_shm_dir)))
     metrics.track_parked(lambda: registry.num_parked, lambda: registry.num_bytes_parked)
+    metrics.track_lent(lender, space)
     sender = KvSender(instance_id, store, backend, engine_model.device, host, timeout, metrics)
-    engine = PrefillEngine(engine_model, device, config.batch_tokens)
+    engine = PrefillEngine(engine_model, space, config.batch_tokens)
     kv_rendezvous = f"{host}:{store.port}"
     issuer = HandleIssuer(
         prefill_address=server.address,
         prefill_instance_id=instance_id,
         rendezvous_address=kv_rendezvous,
-        backend=backend,
         model_fingerprint=engine_model.fingerprint,
         layout=engine_model.kv_layout,
+        place=place,
         rank=rank,
     )
     layout = engine_model.kv_layout
     logger.info(
-        "KV: %d layers, %s, %d bytes per token, backend %s",
+        "KV: %d layers, %s, %d bytes per token; offers %s; shared-memory arena %s",
         layout.num_layers,
         dtype_name(layout.dtype),
         layout.bytes_per_token(),
-        backend,
+        ", ".join(offers(config.transfer.kv_backend, place, arena is not None)) or "nothing",
+        f"{arena.capacity} bytes at {arena.path}" if arena is not None else "none",
     )
-    servicer = PrefillServicer(engine_model, engine, registry, sender, metrics, issuer)
+    servicer = PrefillServicer(engine_model, engine, registry, sender, metrics, issuer, lender)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server.server)
-    return PrefillParts(engine_model, metrics, registry, sender, engine, store, kv_rendezvous)
+    return PrefillParts(
+        engine_model, metrics, registry, sender, lender, space, engine, store, kv_rendezvous, lock
+    )
 
 
 def _build_rank(

@@ -15,23 +15,36 @@ import grpc
 
 from pdserve.kv.channel import TransferError
 from pdserve.kv.handle import HANDLE_ID_BYTES, MIN_GENERATION_METADATA, HandleIssuer, is_handle_id
+from pdserve.kv.shared_memory import is_instance_id
+from pdserve.kv.transports import KV_BACKENDS, SAME_HOST
 from pdserve.model.engine_model import EngineModel, ForwardUnavailable
 from pdserve.rpc.errors import RpcError, abort
 from pdserve.rpc.sampling_proto import sampling_from_proto
-from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 from prefill_service.engine import PrefillEngine
+from prefill_service.kv_lender import KvLender
 from prefill_service.kv_registry import KvRegistry, ParkedKv
 from prefill_service.kv_sender import KvSender, StaleGeneration
 from prefill_service.metrics import PrefillMetrics
 
 logger = logging.getLogger(__name__)
 
+TRANSPORTS = KV_BACKENDS[1:]
+_NOT_LENT = kv_pb2.LentKv()
+
 
 class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, registry: KvRegistry, sender: KvSender, metrics: PrefillMetrics) -> None:
+    def __init__(
+        self,
+        registry: KvRegistry,
+        sender: KvSender,
+        metrics: PrefillMetrics,
+        lender: KvLender | None = None,
+    ) -> None:
         self._registry = registry
         self._sender = sender
         self._metrics = metrics
+        self._lender = lender if lender is not None else KvLender(is_alive=lambda decode: True)
 
     async def PullKv(self, request: prefill_pb2.PullKvRequest, context: Any) -> prefill_pb2.PullKvResponse:
         """PullKvMany of one handle; a handle not parked here is NOT_FOUND."""
@@ -39,6 +52,7 @@ class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
             handle_ids=[request.handle_id],
             decode_instance_id=request.decode_instance_id,
             pair_generation=request.pair_generation,
+            transport=request.transport,
         )
         (num_bytes,) = (await self.PullKvMany(many, context)).num_bytes
         if not num_bytes:
@@ -50,25 +64,41 @@ class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
     ) -> prefill_pb2.PullKvManyResponse:
         if not request.handle_ids:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "handle_ids is empty")
+        transport = request.transport or self._sender.default_backend
         decode, generation = await self._check_pull(
-            context, request.handle_ids, request.decode_instance_id, request.pair_generation
+            context, request.handle_ids, request.decode_instance_id, request.pair_generation, transport
         )
         self._metrics.kv_pull_calls.inc()
-        entries = [self._registry.take(handle_id) for handle_id in request.handle_ids]
+        entries = [self._registry.take(handle_id, transport) for handle_id in request.handle_ids]
         found = [entry for entry in entries if entry is not None]
         self._metrics.kv_pulls_not_found.inc(len(entries) - len(found))
-        if found:
-            await self._send(context, found, decode, generation)
-        return prefill_pb2.PullKvManyResponse(num_bytes=[0 if e is None else e.num_bytes for e in entries])
+        lent: dict[bytes, kv_pb2.LentKv] = {}
+        if found and transport in SAME_HOST:
+            lent = self._lend(found, decode, transport)
+        elif found:
+            await self._send(context, found, decode, generation, transport)
+        return prefill_pb2.PullKvManyResponse(
+            num_bytes=[0 if e is None else e.num_bytes for e in entries],
+            lent=[lent.get(handle_id, _NOT_LENT) for handle_id in request.handle_ids] if lent else [],
+        )
 
     async def _check_pull(
-        self, context: Any, handle_ids: Sequence[bytes], decode: str, generation: int
+        self, context: Any, handle_ids: Sequence[bytes], decode: str, generation: int, transport: str
     ) -> tuple[str, int]:
-        """Validates a pull's fields and its pair generation, before any handle is taken."""
+        """Validates a pull's fields and, over a network transport, its pair generation, before any
+        handle is taken."""
         if not all(is_handle_id(handle_id) for handle_id in handle_ids):
             await abort(
                 context, grpc.StatusCode.INVALID_ARGUMENT, f"handle_id must be {HANDLE_ID_BYTES} bytes"
             )
+        if transport not in TRANSPORTS:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"transport must be one of {TRANSPORTS}")
+        if transport in SAME_HOST:
+            if not is_instance_id(decode):
+                await abort(
+                    context, grpc.StatusCode.INVALID_ARGUMENT, "decode_instance_id must be lowercase hex"
+                )
+            return decode, 0
         if not decode or generation == 0:
             await abort(
                 context,
@@ -82,12 +112,22 @@ class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
             await self._abort_stale(context, exc)
         return decode, generation
 
-    async def _send(self, context: Any, entries: Sequence[ParkedKv], decode: str, generation: int) -> None:
+    def _lend(self, entries: Sequence[ParkedKv], decode: str, transport: str) -> dict[bytes, kv_pb2.LentKv]:
+        """Lends taken KVs to a decode of this host; where it reads each, by handle id."""
+        self._metrics.kv_pulls.inc(len(entries))
+        self._metrics.kv_transport_pulls.labels(transport).inc(len(entries))
+        where = self._lender.lend(entries, decode, transport)
+        return {entry.handle_id: lent for entry, lent in zip(entries, where, strict=True)}
+
+    async def _send(
+        self, context: Any, entries: Sequence[ParkedKv], decode: str, generation: int, backend: str
+    ) -> None:
         """Posts the send of taken KVs (one transfer) on the pair; a failure ends the call (the KVs
         are dropped)."""
         self._metrics.kv_pulls.inc(len(entries))
+        self._metrics.kv_transport_pulls.labels(backend).inc(len(entries))
         try:
-            self._sender.send(entries, decode, generation)
+            self._sender.send(entries, decode, generation, backend)
         except StaleGeneration as exc:  # a concurrent pull of that decode moved on: the KV is dropped
             self._metrics.kv_pull_failures.inc()
             await self._abort_stale(context, exc)
@@ -101,6 +141,9 @@ class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
         released = self._registry.release(request.handle_id)
         if released:
             self._metrics.kv_releases.inc()
+        elif self._lender.give_back(request.handle_id):
+            self._metrics.kv_given_back.inc()
+            released = True
         return prefill_pb2.ReleaseKvResponse(released=released)
 
     async def _abort_stale(self, context: Any, exc: StaleGeneration) -> None:
@@ -122,8 +165,9 @@ class PrefillServicer(KvHandoffServicer):
         sender: KvSender,
         metrics: PrefillMetrics,
         issuer: HandleIssuer,
+        lender: KvLender,
     ) -> None:
-        super().__init__(registry, sender, metrics)
+        super().__init__(registry, sender, metrics, lender)
         self._m = engine_model
         self._engine = engine
         self._issuer = issuer
@@ -144,12 +188,12 @@ class PrefillServicer(KvHandoffServicer):
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"prefill could not run: {exc}")
         self._metrics.forward_seconds.observe(result.forward_seconds)
         self._metrics.batch_size.observe(result.batch_size)
-        if result.finish_reason is not None or result.kv_buffer is None:
+        if result.finish_reason is not None or result.kv is None:
             self._metrics.finished_at_first_token.labels(result.finish_reason or "").inc()
             return prefill_pb2.PrefillResponse(
                 first_token_id=result.first_token_id, finish_reason=result.finish_reason or ""
             )
-        entry = self._registry.park(result.kv_buffer, result.num_tokens)
+        entry = self._registry.park(result.kv, result.num_tokens)
         self._metrics.kv_parks.inc()
         logger.debug("request %s parked %d bytes", request.request_id, entry.num_bytes)
         return prefill_pb2.PrefillResponse(

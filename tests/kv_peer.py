@@ -9,9 +9,12 @@ process can play a decode and the same decode restarted):
   pull INSTANCE HANDLE_HEX GENERATION -> PullKv; {"ok", "num_bytes"} or {"code", "min_generation"}
   connect INSTANCE HANDLE_HEX GENERATION -> builds this side of that pair (no data moves)
   recv INSTANCE HANDLE_HEX GENERATION PATH -> receives num_bytes into PATH
-prefill NUM_BYTES (a prefill whose PullKvMany answers NUM_BYTES but never sends): prints {"grpc", "rendezvous",
-"instance_id"} first, then {"pulled", "decode", "generation"} once a decode's pull has built the
-pair; the decode's receive then waits on this process.
+  borrow INSTANCE HANDLE_HEX PATH -> takes the KV over shm (PullKvMany, reads it in place from the
+    prefill's arena into PATH) and keeps it lent: never gives it back (INSTANCE: lowercase hex)
+prefill NUM_BYTES (a prefill whose PullKvMany answers NUM_BYTES but never sends, and never answers
+a pull over shm): prints {"grpc", "rendezvous", "instance_id"} first, then {"pulled", "decode",
+"generation"} once a decode's pull has built the pair (or asked over shm); the decode's receive
+then waits on this process.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import torch
 from pdserve.kv.channel import DECODE_RANK, PREFILL_RANK, PairChannel
 from pdserve.kv.handle import MIN_GENERATION_METADATA
 from pdserve.kv.rendezvous import connect_store, host_store, pair_prefix
+from pdserve.kv.shared_memory import DEFAULT_DIR as SHM_DIR
+from pdserve.kv.shared_memory import ArenaReader, InstanceLock
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -48,13 +53,35 @@ def _say(**message: Any) -> None:
     sys.stdout.flush()
 
 
+def _borrow(instance: str, handle: kv_pb2.KvHandle, path: str, locks: dict[str, InstanceLock]) -> None:
+    if instance not in locks:
+        locks[instance] = InstanceLock(SHM_DIR, instance)
+    with grpc.insecure_channel(handle.prefill_address) as grpc_channel:
+        response = prefill_pb2_grpc.PrefillStub(grpc_channel).PullKvMany(
+            prefill_pb2.PullKvManyRequest(
+                handle_ids=[handle.id], decode_instance_id=instance, transport="shm"
+            ),
+            timeout=30,
+        )
+    region = ArenaReader(SHM_DIR, handle.prefill_instance_id).region(
+        response.lent[0].offset, handle.num_bytes
+    )
+    with open(path, "wb") as out:
+        out.write(region.numpy().tobytes())
+    _say(ok=True, num_bytes=response.num_bytes[0])
+
+
 def run_decode() -> None:
     channels: dict[tuple[str, int], PairChannel] = {}
     stores: dict[str, Any] = {}
+    locks: dict[str, InstanceLock] = {}
     for line in sys.stdin:
         command, *args = line.split()
         if command == "exit":
             break
+        if command == "borrow":
+            _borrow(args[0], kv_pb2.KvHandle.FromString(bytes.fromhex(args[1])), args[2], locks)
+            continue
         instance, handle_hex, generation = args[0], args[1], int(args[2])
         handle = kv_pb2.KvHandle.FromString(bytes.fromhex(handle_hex))
         if handle.rendezvous_address not in stores:
@@ -107,6 +134,9 @@ class _SilentPrefill(prefill_pb2_grpc.PrefillServicer):
     def PullKvMany(
         self, request: prefill_pb2.PullKvManyRequest, context: Any
     ) -> prefill_pb2.PullKvManyResponse:
+        if request.transport == "shm":
+            _say(pulled=True, decode=request.decode_instance_id, generation=0)
+            threading.Event().wait()  # never answers: the decode's call waits on this process
         prefix = pair_prefix(self._instance_id, request.decode_instance_id, request.pair_generation)
         channel = PairChannel(self._store, prefix, PREFILL_RANK, "gloo", CPU, HOST, TIMEOUT)
         self._channels.append(channel)

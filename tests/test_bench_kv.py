@@ -39,23 +39,25 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_bench_kv_moves_every_size_intact_and_reports_json() -> None:
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_bench_kv_moves_every_size_intact_and_reports_json(backend: str) -> None:
     done = _bench(
         "--tokens", "3,40,8192", "--repeat", "2", "--layers", "3", "--kv-heads", "2", "--head-dim", "16",
-        "--dtype", "float32", "--timeout-s", "30", "--json",
+        "--dtype", "float32", "--timeout-s", "30", "--json", "--backend", backend,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r["tokens"] for r in results] == [3, 40, 8192]
     layout = KvLayout(keys=((2, 16),) * 3, values=((2, 16),) * 3, dtype=torch.float32)
-    assert results[-1]["bytes"] >= GLOO_STREAMS * MIN_CHUNK_BYTES  # moved in one chunk per connection
+    if backend == "gloo":
+        assert results[-1]["bytes"] >= GLOO_STREAMS * MIN_CHUNK_BYTES  # moved in one chunk per connection
     for result in results:
         assert result.keys() >= KEYS
         assert result["bytes"] == layout.num_bytes(result["tokens"])
         assert result["intact"] is True, "the bytes that arrived differ from the bytes sent"
         for key in ("transfer_gbps", "memcpy_gbps", "control_ms", "data_ms", "hop_ms"):
             assert result[key] > 0, key
-        assert result["backend"] == "gloo"
+        assert result["backend"] == backend
 
 
 def test_bench_kv_prints_a_table_and_refuses_bad_flags() -> None:
@@ -65,6 +67,7 @@ def test_bench_kv_prints_a_table_and_refuses_bad_flags() -> None:
     assert "KV of 1 layers x 1 heads x 8 dims, bfloat16" in lines[0]
     assert lines[1].split()[:2] == ["tokens", "MiB"]
     assert lines[2].split()[0] == "8" and lines[2].split()[-1] == "True"
+    assert "backend shm" in lines[0], "on one host auto reads the KV in place"
 
     refused = _bench("--tokens", "128,0")
     assert refused.returncode == 2

@@ -363,7 +363,7 @@ ENGINE_ENV = [
     "PDSERVE_EP_RANK",
     "PDSERVE_EP_MASTER",
 ]
-TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S"]
+TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S", "PDSERVE_KV_SHM_DIR"]
 
 
 @pytest.mark.parametrize(
@@ -381,6 +381,7 @@ TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S"]
                 "PDSERVE_KV_PORT",
                 "PDSERVE_LEASE_S",
                 "PDSERVE_MAX_BATCH_TOKENS",
+                "PDSERVE_KV_SHM_BYTES",
             ],
         ),
         (

@@ -54,13 +54,19 @@ CPU = torch.device("cpu")
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.fixture(scope="module", params=["gloo", "shm"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """Every failure below runs with the KV over a gloo pair and over shared memory."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def stack(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    timeout = ["--transfer-timeout-s", str(TRANSFER_TIMEOUT_S)]
+def stack(transport: str, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    timeout = ["--transfer-timeout-s", str(TRANSFER_TIMEOUT_S), "--kv-backend", transport]
     s = Stack(
         MODEL,
         cache_dir,
-        tmp_path_factory.mktemp("failure-logs"),
+        tmp_path_factory.mktemp(f"failure-logs-{transport}"),
         num_prefill=2,
         num_decode=2,
         prefill_args=timeout,
@@ -114,6 +120,7 @@ def _assert_kv_matches(path: Path, handle: kv_pb2.KvHandle, model: Any, prompt: 
         torch.testing.assert_close(rv, v[0], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("transport", ["gloo"], indirect=True)
 def test_decode_killed_mid_transfer_frees_the_kv_and_the_pair_comes_back(
     stack: Stack, reference_models: Any, tmp_path: Path
 ) -> None:
@@ -181,8 +188,51 @@ def test_decode_killed_mid_transfer_frees_the_kv_and_the_pair_comes_back(
     assert_no_leaks(stack)
 
 
+@pytest.mark.parametrize("transport", ["shm"], indirect=True)
+def test_a_decode_killed_holding_a_lent_kv_has_it_freed_in_bound(
+    stack: Stack, reference_models: Any, tmp_path: Path
+) -> None:
+    prefill = stack.prefills[0]
+    before = scrape(prefill.metrics)
+    prompt = _prompt(29, 5)
+    first = asyncio.run(_prefill(prefill, prompt))
+    assert list(first.kv_handle.transports) == ["shm"]
+    victim = Peer("decode")
+    try:
+        handle_hex = first.kv_handle.SerializeToString().hex()
+        assert victim.ask("borrow", secrets.token_hex(16), handle_hex, str(tmp_path / "lent")) == {
+            "ok": True,
+            "num_bytes": first.kv_handle.num_bytes,
+        }
+        model, _ = reference_models(MODEL)
+        _assert_kv_matches(tmp_path / "lent", first.kv_handle, model, prompt)
+        m = scrape(prefill.metrics)
+        assert (m["pdserve_kv_lent_handles"], m["pdserve_kv_parked_handles"]) == (1, 0)
+        assert m["pdserve_kv_arena_used_bytes"] >= first.kv_handle.num_bytes
+        killed = time.monotonic()
+        victim.kill()
+        assert wait_for(lambda: scrape(prefill.metrics)["pdserve_kv_lent_handles"] == 0, BOUND_S)
+        assert time.monotonic() - killed < BOUND_S
+    finally:
+        victim.kill()
+    m = scrape(prefill.metrics)
+    assert m["pdserve_kv_reclaimed_total"] == before["pdserve_kv_reclaimed_total"] + 1
+    assert m["pdserve_kv_arena_used_bytes"] == before["pdserve_kv_arena_used_bytes"]
+    results = asyncio.run(
+        generate_many(
+            stack.address, [make_request(prompt_token_ids=prompt, max_tokens=5, ignore_eos=True)] * 2
+        )
+    )
+    assert all(len(r.token_ids) == 5 for r in results)
+    assert_no_leaks(stack)
+
+
 @pytest.mark.parametrize("how", ["killed", "stopped"])
-def test_prefill_killed_or_hung_mid_transfer_fails_the_pull_in_bound(stack: Stack, how: str) -> None:
+def test_prefill_killed_or_hung_mid_transfer_fails_the_pull_in_bound(
+    stack: Stack, transport: str, how: str
+) -> None:
+    """Over gloo the prefill dies or hangs while the decode's receive waits on the pair; over shm it
+    dies or hangs before it answers the pull. Either way the pull fails in bound."""
     decode = stack.decodes[0]
     real = asyncio.run(_prefill(stack.prefills[0], _prompt(20, 2)))
     asyncio.run(_release(stack.prefills[0], real.kv_handle.id))
@@ -200,10 +250,12 @@ def test_prefill_killed_or_hung_mid_transfer_fails_the_pull_in_bound(stack: Stac
         async def scenario() -> tuple[grpc.StatusCode, str, float]:
             call = asyncio.ensure_future(_decode(decode, handle, real.first_token_id))
             pulled = await asyncio.to_thread(silent.next_message)
-            assert pulled["pulled"] and pulled["generation"] >= 1
-            during = scrape(decode.metrics)
-            assert during["pdserve_kv_receives_in_flight"] == 1
-            assert during["pdserve_kv_pairs"] == before["pdserve_kv_pairs"] + 1
+            assert pulled["pulled"]
+            if transport == "gloo":
+                assert pulled["generation"] >= 1
+                during = scrape(decode.metrics)
+                assert during["pdserve_kv_receives_in_flight"] == 1
+                assert during["pdserve_kv_pairs"] == before["pdserve_kv_pairs"] + 1
             start = time.monotonic()
             silent.popen.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
             with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -214,7 +266,7 @@ def test_prefill_killed_or_hung_mid_transfer_fails_the_pull_in_bound(stack: Stac
     finally:
         silent.kill()
     assert code == grpc.StatusCode.ABORTED, details
-    assert "KV transfer from prefill" in details
+    assert ("KV transfer from prefill" if transport == "gloo" else "PullKvMany on prefill") in details
     assert elapsed < BOUND_S, f"the decode reported the failure after {elapsed:.1f} s"
     m = scrape(decode.metrics)
     assert m["pdserve_kv_receives_in_flight"] == 0
@@ -466,7 +518,6 @@ def test_a_decode_follows_the_prefill_to_a_newer_pair_generation() -> None:
             prefill_address=f"127.0.0.1:{port}",
             prefill_instance_id="prefill-x",
             rendezvous_address=f"127.0.0.1:{store.port}",
-            backend="gloo",
             model_fingerprint="fp",
             layout=layout,
         )

@@ -17,9 +17,13 @@ from pdserve.kv.handle import (
     new_handle_id,
 )
 from pdserve.kv.layout import KvLayout
+from pdserve.kv.transports import AUTO, GLOO, NCCL, SHM, Place
 from pdserve.v1 import kv_pb2
 
 LAYOUT = KvLayout(keys=((2, 4), (2, 4)), values=((2, 3), (2, 3)), dtype=torch.float32)
+
+
+PREFILL = Place(host_id="h1", device="cpu")
 
 
 @dataclass(frozen=True)
@@ -28,10 +32,11 @@ class Parked:
     num_tokens: int
     num_bytes: int
     expires_at_unix: float
+    transports: tuple[str, ...] = (SHM, GLOO)
 
 
 def issuer(rank: int = 0) -> HandleIssuer:
-    return HandleIssuer("p:1", "prefill-a", "p:2", "gloo", "fp", LAYOUT, rank)
+    return HandleIssuer("p:1", "prefill-a", "p:2", "fp", LAYOUT, PREFILL, rank)
 
 
 def issued(num_tokens: int = 5) -> kv_pb2.KvHandle:
@@ -49,6 +54,7 @@ def test_an_issued_handle_carries_the_prefill_the_lease_and_every_tensor() -> No
         "p:2",
     )
     assert (handle.backend, handle.model_fingerprint, handle.rank) == ("gloo", "fp", 1)
+    assert (list(handle.transports), handle.host_id, handle.device) == ([SHM, GLOO], "h1", "cpu")
     assert (handle.num_tokens, handle.num_bytes, handle.expires_at_unix) == (5, LAYOUT.num_bytes(5), 123.5)
     assert [t.name for t in handle.tensors] == [s.name for s in LAYOUT.tensor_specs(5)]
     assert [tuple(t.shape) for t in handle.tensors] == [s.shape for s in LAYOUT.tensor_specs(5)]
@@ -73,7 +79,7 @@ def test_ids_are_random_and_of_one_length() -> None:
     ],
 )
 def test_the_check_refuses_what_this_decode_cannot_use(field: str, value: object, message: str) -> None:
-    check = HandleCheck("fp", "gloo", LAYOUT)
+    check = HandleCheck("fp", LAYOUT)
     handle = issued(5)
     assert check.problem(handle) is None
     setattr(handle, field, value)
@@ -81,8 +87,17 @@ def test_the_check_refuses_what_this_decode_cannot_use(field: str, value: object
     assert problem is not None and message in problem
 
 
+def test_the_check_picks_a_transport_both_ends_can_use() -> None:
+    handle = issued(5)
+    assert HandleCheck("fp", LAYOUT, AUTO, Place("h1", "cpu")).transport(handle) == SHM
+    assert HandleCheck("fp", LAYOUT, AUTO, Place("h2", "cpu")).transport(handle) == GLOO
+    assert HandleCheck("fp", LAYOUT, GLOO, Place("h1", "cpu")).transport(handle) == GLOO
+    refused = HandleCheck("fp", LAYOUT, NCCL, Place("h1", "cuda:0"))
+    assert refused.transport(handle) is None and "transports" in (refused.problem(handle) or "")
+
+
 def test_the_check_refuses_another_layout() -> None:
-    check = HandleCheck("fp", "gloo", LAYOUT)
+    check = HandleCheck("fp", LAYOUT)
     handle = issued(5)
     handle.tensors[3].shape[2] += 1
     assert "layout" in (check.problem(handle) or "")

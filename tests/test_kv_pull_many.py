@@ -55,7 +55,6 @@ class Handoff:
             prefill_address=f"127.0.0.1:{self.port}",
             prefill_instance_id="prefill-m",
             rendezvous_address=f"127.0.0.1:{self.store.port}",
-            backend="gloo",
             model_fingerprint="fp",
             layout=LAYOUT,
         )

@@ -32,9 +32,24 @@ PREFILL_SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.fixture(scope="module", params=["gloo", "auto"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """--kv-backend of every service: gloo pairs, or auto (shared memory on one host)."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def stack(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(MODEL, cache_dir, tmp_path_factory.mktemp("m2m-logs"), num_prefill=2, num_decode=2)
+def stack(transport: str, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    args = ["--kv-backend", transport]
+    s = Stack(
+        MODEL,
+        cache_dir,
+        tmp_path_factory.mktemp(f"m2m-logs-{transport}"),
+        num_prefill=2,
+        num_decode=2,
+        prefill_args=args,
+        decode_args=args,
+    )
     try:
         yield s.start()
     finally:
@@ -59,7 +74,7 @@ async def _prefill_then_decode(
 
 
 def test_concurrent_load_over_two_prefills_and_two_decodes_is_exact(
-    stack: Stack, reference_models: Any
+    stack: Stack, transport: str, reference_models: Any
 ) -> None:
     model, _ = reference_models(MODEL)
     generator = torch.Generator().manual_seed(424242)
@@ -83,7 +98,8 @@ def test_concurrent_load_over_two_prefills_and_two_decodes_is_exact(
     assert sum(scrape(p.metrics)["pdserve_kv_pulls_total"] for p in stack.prefills) == continued
 
     # Every (prefill, decode) combination at once: each decode pulls from both prefills at the same
-    # time and each prefill sends to both decodes at the same time, each over its own pair.
+    # time and each prefill sends to both decodes at the same time, each over its own pair (gloo),
+    # or lends to both at the same time (auto on one host: shared memory, no pair).
     combos = list(itertools.product(stack.prefills, stack.decodes))
     prompt = prompts[0]
 
@@ -92,14 +108,19 @@ def test_concurrent_load_over_two_prefills_and_two_decodes_is_exact(
 
     ref = reference_tokens(model, prompt, 10)
     assert all(tokens == ref for tokens in asyncio.run(all_pairs()))
+    used = "gloo" if transport == "gloo" else "shm"
     for service in (*stack.prefills, *stack.decodes):
         m = scrape(service.metrics)
-        assert m["pdserve_kv_pairs"] == 2, f"{service.name} {service.grpc} should have one pair per peer"
+        pairs = 2 if used == "gloo" else 0
+        assert m["pdserve_kv_pairs"] == pairs, f"{service.name} {service.grpc} should have {pairs} pairs"
+        assert m[f"pdserve_kv_transport_pulls_total{{transport={used}}}"] > 0
+        assert not any(f"transport={other}" in name for name in m for other in {"gloo", "shm"} - {used})
     rebuilds = sum(scrape(p.metrics)["pdserve_kv_pair_rebuilds_total"] for p in stack.prefills)
     assert rebuilds == 0, "pairs are built once and reused"
     assert_no_leaks(stack)
 
 
+@pytest.mark.parametrize("transport", ["gloo"], indirect=True)
 def test_a_send_stuck_on_one_decode_does_not_hold_another_decodes_transfers(
     stack: Stack, tmp_path: Path
 ) -> None:

@@ -20,7 +20,8 @@ from pdserve.config.checks import (
 )
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-BACKENDS = ("auto", "gloo", "nccl")
+BACKENDS = ("auto", "gloo", "nccl", "shm", "cuda-ipc")
+GPU_BACKENDS = ("nccl", "cuda-ipc")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -87,17 +88,37 @@ class EngineConfig:
 class TransferConfig:
     """The KV handoff between a prefill and a decode process."""
 
-    kv_backend: str = field(default="auto", metadata={"help": "gloo, nccl, or auto (by device)"})
+    kv_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "how KV moves: shm or cuda-ipc (same host, read in place), nccl or gloo (pairs), "
+            "or auto (the fastest both ends can use)"
+        },
+    )
     transfer_timeout_s: float = field(default=30.0, metadata={"help": "bound on every KV transfer wait"})
+    kv_shm_dir: str = field(
+        default="/dev/shm",
+        metadata={"help": "shared-memory directory of the same-host KV transport ('' turns it off)"},
+    )
 
     def __post_init__(self) -> None:
         check_choice("kv_backend", self.kv_backend, BACKENDS)
         check_positive("transfer_timeout_s", self.transfer_timeout_s)
 
     def backend_for(self, device: str) -> str:
-        if self.kv_backend != "auto":
+        """The torch.distributed backend of pairs on ``device``: the one forced, else by device."""
+        if self.kv_backend in ("gloo", "nccl"):
             return self.kv_backend
         return "nccl" if device.startswith("cuda") else "gloo"
+
+    def check_device(self, device: str, side: str) -> None:
+        """Raises ValueError when this transport cannot run on ``device`` on the ``side`` named."""
+        if self.kv_backend in GPU_BACKENDS and not device.startswith("cuda"):
+            raise ValueError(f"kv_backend {self.kv_backend} needs a CUDA device, the {side} is on {device}")
+        if self.kv_backend == "shm" and side == "prefill" and device != "cpu":
+            raise ValueError(
+                f"kv_backend shm parks KV in host memory: the prefill must be on cpu, not {device}"
+            )
 
 
 @dataclass(frozen=True)
@@ -157,9 +178,17 @@ class PrefillSettings:
     kv_port: int = field(default=0, metadata={"help": "port of the KV rendezvous store (0 picks a free one)"})
     lease_s: float = field(default=30.0, metadata={"help": "seconds a parked KV waits to be pulled"})
     max_batch_tokens: int = field(default=0, metadata={"help": MAX_BATCH_TOKENS_HELP})
+    kv_shm_bytes: int = field(
+        default=0,
+        metadata={
+            "help": "size of the shared-memory KV arena a CPU prefill parks KV in for decodes of its "
+            "host; 0: a quarter of /dev/shm, at most 4 GiB; -1: none"
+        },
+    )
 
     def check_prefill(self) -> None:
         check_port("kv_port", self.kv_port)
+        check_at_least("kv_shm_bytes", self.kv_shm_bytes, -1)
         check_positive("lease_s", self.lease_s)
         if self.max_batch_tokens < 0:
             raise ValueError(f"max_batch_tokens must be >= 0 (0: by device), got {self.max_batch_tokens}")
@@ -192,6 +221,7 @@ class DecodeSettings:
 class PrefillConfig(PrefillSettings, EngineService):
     def __post_init__(self) -> None:
         self.check_prefill()
+        self.transfer.check_device(self.engine.device, "prefill")
 
     @property
     def batch_tokens(self) -> int:
@@ -203,6 +233,7 @@ class PrefillConfig(PrefillSettings, EngineService):
 class DecodeConfig(DecodeSettings, EngineService):
     def __post_init__(self) -> None:
         self.check_decode()
+        self.transfer.check_device(self.engine.device, "decode")
 
 
 C = TypeVar("C")
@@ -226,7 +257,13 @@ class ColocatedConfig(DecodeSettings, PrefillSettings, EngineService):
         self.check_decode()
 
     def prefill_config(self) -> PrefillConfig:
-        return _part(PrefillConfig, self, server=replace(self.server, metrics_port=self.prefill_metrics_port))
+        # The decode takes the KV in memory: no shared-memory arena to park it in.
+        return _part(
+            PrefillConfig,
+            self,
+            server=replace(self.server, metrics_port=self.prefill_metrics_port),
+            kv_shm_bytes=-1,
+        )
 
     def decode_config(self) -> DecodeConfig:
         return _part(DecodeConfig, self)

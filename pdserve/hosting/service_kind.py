@@ -3,7 +3,7 @@
 A ``ServiceKind`` names a service's gRPC services and work methods and builds its parts for one
 process (``RankParts``): metrics registries, what the ready line carries, what keeps a drain
 waiting, background tasks and how to close. ``service_main`` runs a kind as one process, and
-``expert_parallel.group_service`` as a group of ranks.
+``hosting.ep_service`` as a group of ranks.
 """
 
 from __future__ import annotations

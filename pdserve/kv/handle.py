@@ -2,14 +2,15 @@
 
 Lifecycle of a handle:
 1. a prefill makes one ``HandleIssuer`` for its life: its gRPC address, instance id, rendezvous
-   store, KV backend, model fingerprint, expert-parallel rank and KV layout;
+   store, where it keeps KV (``pdserve.kv.transports.Place``), model fingerprint, expert-parallel
+   rank and KV layout;
 2. each KV it parks gets a handle (``HandleIssuer.issue``): a fresh random id of
-   ``HANDLE_ID_BYTES``, the token count, the packed size, the lease deadline and the shape and
-   dtype of every tensor, under ``HANDLE_VERSION``;
+   ``HANDLE_ID_BYTES``, the token count, the packed size, the lease deadline, the shape and dtype
+   of every tensor and the transports it can be moved by, under ``HANDLE_VERSION``;
 3. the handle travels prefill -> gateway -> decode inside gRPC messages;
-4. before any byte moves, the decode checks it against its own model (``HandleCheck.problem``):
-   version, fingerprint, backend, token count, tensors and size; a decode refuses what it cannot
-   use with FAILED_PRECONDITION;
+4. before any byte moves, the decode checks it against its own model and place (``HandleCheck``):
+   version, fingerprint, backend, token count, tensors, size and a transport both ends can use;
+   a decode refuses what it cannot use with FAILED_PRECONDITION;
 5. the decode redeems it on the prefill named in it (PullKv/PullKvMany by id); a prefill that
    has torn the pair's generation down answers ABORTED with the lowest generation it takes in the
    trailing metadata ``MIN_GENERATION_METADATA``.
@@ -22,13 +23,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.kv.layout import KvLayout, spec_from_proto
+from pdserve.kv.transports import AUTO, Place, choose, network_backend
 from pdserve.v1 import kv_pb2
 
-HANDLE_VERSION = 1
+HANDLE_VERSION = 2
 HANDLE_ID_BYTES = 16
 # Trailing metadata of a pull refused with ABORTED: the lowest pair generation the prefill takes.
 MIN_GENERATION_METADATA = "pdserve-min-pair-generation"
 MAX_CACHED_LAYOUTS = 4096
+CPU_PLACE = Place(host_id="", device="cpu")
 
 
 def new_handle_id() -> bytes:
@@ -58,6 +61,8 @@ class Parked(Protocol):
     def num_bytes(self) -> int: ...
     @property
     def expires_at_unix(self) -> float: ...
+    @property
+    def transports(self) -> tuple[str, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -67,9 +72,9 @@ class HandleIssuer:
     prefill_address: str
     prefill_instance_id: str
     rendezvous_address: str
-    backend: str
     model_fingerprint: str
     layout: KvLayout
+    place: Place = CPU_PLACE
     rank: int = 0
 
     def issue(self, parked: Parked) -> kv_pb2.KvHandle:
@@ -79,25 +84,41 @@ class HandleIssuer:
             prefill_address=self.prefill_address,
             prefill_instance_id=self.prefill_instance_id,
             rendezvous_address=self.rendezvous_address,
-            backend=self.backend,
+            backend=network_backend(self.place.device),
             model_fingerprint=self.model_fingerprint,
             num_tokens=parked.num_tokens,
             tensors=[spec.to_proto() for spec in self.layout.tensor_specs(parked.num_tokens)],
             num_bytes=parked.num_bytes,
             expires_at_unix=parked.expires_at_unix,
             rank=self.rank,
+            transports=parked.transports,
+            host_id=self.place.host_id,
+            device=self.place.device,
+            device_uuid=self.place.device_uuid,
         )
 
 
-class HandleCheck:
-    """Whether one decode can use a handle's KV; the expected tensors per token count are kept for
-    the fast path."""
+def prefill_place(handle: kv_pb2.KvHandle) -> Place:
+    """Where the handle's prefill keeps the KV."""
+    return Place(handle.host_id, handle.device, handle.device_uuid)
 
-    def __init__(self, fingerprint: str, backend: str, layout: KvLayout) -> None:
+
+class HandleCheck:
+    """Whether one decode can use a handle's KV, and over which transport; the expected tensors per
+    token count are kept for the fast path."""
+
+    def __init__(
+        self, fingerprint: str, layout: KvLayout, kv_backend: str = AUTO, place: Place = CPU_PLACE
+    ) -> None:
         self._fingerprint = fingerprint
-        self._backend = backend
         self._layout = layout
+        self._kv_backend = kv_backend
+        self._place = place
         self._expected: dict[int, list[kv_pb2.TensorSpec]] = {}
+
+    def transport(self, handle: kv_pb2.KvHandle) -> str | None:
+        """The transport this decode takes the handle's KV by, or None when none fits."""
+        return choose(self._kv_backend, self._place, handle.transports, prefill_place(handle))
 
     def problem(self, handle: kv_pb2.KvHandle) -> str | None:
         """Why this decode cannot use the handle's KV, or None when it can."""
@@ -107,8 +128,13 @@ class HandleCheck:
             )
         if handle.model_fingerprint != self._fingerprint:
             return f"model fingerprint {handle.model_fingerprint!r} differs from this decode's {self._fingerprint!r}"
-        if handle.backend != self._backend:
-            return f"KV backend {handle.backend!r} differs from this decode's {self._backend!r}"
+        if handle.backend != network_backend(handle.device):
+            return f"KV backend {handle.backend!r} does not fit a KV parked on {handle.device!r}"
+        if self.transport(handle) is None:
+            return (
+                f"none of the KV's transports {list(handle.transports)} reaches this decode "
+                f"(--kv-backend {self._kv_backend}, device {self._place.device})"
+            )
         if handle.num_tokens < 1:
             return "KV handle holds no tokens"
         if self._matches_exactly(handle):

@@ -97,13 +97,26 @@ def pack(
     num_tokens: int,
     device: torch.device,
 ) -> torch.Tensor:
-    """Copies positions [start, start + num_tokens) of batch row ``row`` into one uint8 buffer."""
+    """Copies positions [start, start + num_tokens) of batch row ``row`` into a new uint8 buffer."""
     buf = torch.empty(layout.num_bytes(num_tokens), dtype=torch.uint8, device=device)
+    pack_into(buf, layers, layout, row, start, num_tokens)
+    return buf
+
+
+def pack_into(
+    buf: torch.Tensor,
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    layout: KvLayout,
+    row: int,
+    start: int,
+    num_tokens: int,
+) -> None:
+    """Copies positions [start, start + num_tokens) of batch row ``row`` into ``buf`` (uint8, sized
+    by ``layout.num_bytes``)."""
     views = unpack(buf, layout, num_tokens)
     for (k, v), (kd, vd) in zip(layers, views, strict=True):
         kd.copy_(k[row, :, start : start + num_tokens])
         vd.copy_(v[row, :, start : start + num_tokens])
-    return buf
 
 
 def unpack(buf: torch.Tensor, layout: KvLayout, num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -17,7 +17,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("version", "id", "prefill_address", "prefill_instance_id", "rendezvous_address", "backend", "model_fingerprint", "num_tokens", "tensors", "num_bytes", "expires_at_unix", "rank")
+    __slots__ = ("version", "id", "prefill_address", "prefill_instance_id", "rendezvous_address", "backend", "model_fingerprint", "num_tokens", "tensors", "num_bytes", "expires_at_unix", "rank", "transports", "host_id", "device", "device_uuid")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,10 @@ class KvHandle(_message.Message):
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     version: int
     id: bytes
     prefill_address: str
@@ -42,4 +46,40 @@ class KvHandle(_message.Message):
     num_bytes: int
     expires_at_unix: float
     rank: int
-    def __init__(self, version: _Optional[int] = ..., id: _Optional[bytes] = ..., prefill_address: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., rendezvous_address: _Optional[str] = ..., backend: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_bytes: _Optional[int] = ..., expires_at_unix: _Optional[float] = ..., rank: _Optional[int] = ...) -> None: ...
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    host_id: str
+    device: str
+    device_uuid: str
+    def __init__(self, version: _Optional[int] = ..., id: _Optional[bytes] = ..., prefill_address: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., rendezvous_address: _Optional[str] = ..., backend: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_bytes: _Optional[int] = ..., expires_at_unix: _Optional[float] = ..., rank: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+
+class LentKv(_message.Message):
+    __slots__ = ("offset", "cuda_ipc")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    cuda_ipc: CudaIpcBuffer
+    def __init__(self, offset: _Optional[int] = ..., cuda_ipc: _Optional[_Union[CudaIpcBuffer, _Mapping]] = ...) -> None: ...
+
+class CudaIpcBuffer(_message.Message):
+    __slots__ = ("memory_handle", "storage_bytes", "storage_offset_bytes", "offset", "num_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_index")
+    MEMORY_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    memory_handle: bytes
+    storage_bytes: int
+    storage_offset_bytes: int
+    offset: int
+    num_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    device_index: int
+    def __init__(self, memory_handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., num_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_index: _Optional[int] = ...) -> None: ...

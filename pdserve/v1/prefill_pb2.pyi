@@ -29,14 +29,16 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., kv_handle: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ...) -> None: ...
 
 class PullKvRequest(_message.Message):
-    __slots__ = ("handle_id", "decode_instance_id", "pair_generation")
+    __slots__ = ("handle_id", "decode_instance_id", "pair_generation", "transport")
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PAIR_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     handle_id: bytes
     decode_instance_id: str
     pair_generation: int
-    def __init__(self, handle_id: _Optional[bytes] = ..., decode_instance_id: _Optional[str] = ..., pair_generation: _Optional[int] = ...) -> None: ...
+    transport: str
+    def __init__(self, handle_id: _Optional[bytes] = ..., decode_instance_id: _Optional[str] = ..., pair_generation: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class PullKvResponse(_message.Message):
     __slots__ = ("num_bytes",)
@@ -45,20 +47,24 @@ class PullKvResponse(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
 
 class PullKvManyRequest(_message.Message):
-    __slots__ = ("handle_ids", "decode_instance_id", "pair_generation")
+    __slots__ = ("handle_ids", "decode_instance_id", "pair_generation", "transport")
     HANDLE_IDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PAIR_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     handle_ids: _containers.RepeatedScalarFieldContainer[bytes]
     decode_instance_id: str
     pair_generation: int
-    def __init__(self, handle_ids: _Optional[_Iterable[bytes]] = ..., decode_instance_id: _Optional[str] = ..., pair_generation: _Optional[int] = ...) -> None: ...
+    transport: str
+    def __init__(self, handle_ids: _Optional[_Iterable[bytes]] = ..., decode_instance_id: _Optional[str] = ..., pair_generation: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class PullKvManyResponse(_message.Message):
-    __slots__ = ("num_bytes",)
+    __slots__ = ("num_bytes", "lent")
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LENT_FIELD_NUMBER: _ClassVar[int]
     num_bytes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+    lent: _containers.RepeatedCompositeFieldContainer[_kv_pb2.LentKv]
+    def __init__(self, num_bytes: _Optional[_Iterable[int]] = ..., lent: _Optional[_Iterable[_Union[_kv_pb2.LentKv, _Mapping]]] = ...) -> None: ...
 
 class ReleaseKvRequest(_message.Message):
     __slots__ = ("handle_id",)

@@ -40,15 +40,15 @@ class PrefillStub:
                 request_serializer=pdserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
-        self.PullKv = channel.unary_unary(
-                '/pdserve.v1.Prefill/PullKv',
-                request_serializer=pdserve_dot_v1_dot_prefill__pb2.PullKvRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_prefill__pb2.PullKvResponse.FromString,
-                _registered_method=True)
         self.PullKvMany = channel.unary_unary(
                 '/pdserve.v1.Prefill/PullKvMany',
                 request_serializer=pdserve_dot_v1_dot_prefill__pb2.PullKvManyRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_prefill__pb2.PullKvManyResponse.FromString,
+                _registered_method=True)
+        self.PullKv = channel.unary_unary(
+                '/pdserve.v1.Prefill/PullKv',
+                request_serializer=pdserve_dot_v1_dot_prefill__pb2.PullKvRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_prefill__pb2.PullKvResponse.FromString,
                 _registered_method=True)
         self.ReleaseKv = channel.unary_unary(
                 '/pdserve.v1.Prefill/ReleaseKv',
@@ -69,25 +69,27 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def PullKv(self, request, context):
-        """Called by a decode: posts the send of a parked KV on the (prefill, decode) pair. The
-        decode posts the matching receive after this returns.
+    def PullKvMany(self, request, context):
+        """Called by a decode: takes parked KVs out of the registry for it, in one round trip. Over a
+        network transport ("gloo", "nccl") the KVs found are sent on the (prefill, decode) pair as one
+        buffer, concatenated in the order of handle_ids, and the decode posts one receive of the sum of
+        their num_bytes. Over a same-host transport ("shm", "cuda-ipc") nothing is sent: each KV found
+        is lent to the decode, which reads it in place and gives it back with ReleaseKv.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def PullKvMany(self, request, context):
-        """PullKv for several parked KVs of one decode in one round trip and one transfer: the KVs of the
-        handles found are sent as one buffer, concatenated in the order of handle_ids, and the decode
-        posts one receive of the sum of their num_bytes.
+    def PullKv(self, request, context):
+        """PullKvMany of one handle (NOT_FOUND when it is not parked here).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseKv(self, request, context):
-        """Frees a parked KV that will not be pulled. Unknown handles are not an error.
+        """Frees a parked KV that will not be pulled, or gives back a KV lent to a decode. Unknown handles
+        are not an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -101,15 +103,15 @@ def add_PrefillServicer_to_server(servicer, server):
                     request_deserializer=pdserve_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
             ),
-            'PullKv': grpc.unary_unary_rpc_method_handler(
-                    servicer.PullKv,
-                    request_deserializer=pdserve_dot_v1_dot_prefill__pb2.PullKvRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_prefill__pb2.PullKvResponse.SerializeToString,
-            ),
             'PullKvMany': grpc.unary_unary_rpc_method_handler(
                     servicer.PullKvMany,
                     request_deserializer=pdserve_dot_v1_dot_prefill__pb2.PullKvManyRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_prefill__pb2.PullKvManyResponse.SerializeToString,
+            ),
+            'PullKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullKv,
+                    request_deserializer=pdserve_dot_v1_dot_prefill__pb2.PullKvRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_prefill__pb2.PullKvResponse.SerializeToString,
             ),
             'ReleaseKv': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseKv,
@@ -156,33 +158,6 @@ class Prefill:
             _registered_method=True)
 
     @staticmethod
-    def PullKv(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.Prefill/PullKv',
-            pdserve_dot_v1_dot_prefill__pb2.PullKvRequest.SerializeToString,
-            pdserve_dot_v1_dot_prefill__pb2.PullKvResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def PullKvMany(request,
             target,
             options=(),
@@ -199,6 +174,33 @@ class Prefill:
             '/pdserve.v1.Prefill/PullKvMany',
             pdserve_dot_v1_dot_prefill__pb2.PullKvManyRequest.SerializeToString,
             pdserve_dot_v1_dot_prefill__pb2.PullKvManyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/PullKv',
+            pdserve_dot_v1_dot_prefill__pb2.PullKvRequest.SerializeToString,
+            pdserve_dot_v1_dot_prefill__pb2.PullKvResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,7 +10,7 @@ layout, then measures:
 - the handoff through the real path: a ``KvHandoffServicer`` (PullKv over gRPC, registry, sender)
   on one side and a ``KvPuller`` on the other, into a fresh buffer as a decode does. The handle
   travels to the decode side in a gRPC call, as the gateway's Decode call carries it: ``hop_ms``
-  is that call's way there, ``control_ms`` the puller's handle check, PullKv call and receive
+  is that call's way there, ``control_ms`` the puller's handle check, pull call and receive
   posting, ``data_ms`` from the receive posted to every byte in. ``handoff_ms`` = ``pack_ms`` +
   2 x hop (the prefill's answer to the gateway, the gateway's call to the decode) + control +
   data: from the prefill's forward done to the decode's first step being able to run;

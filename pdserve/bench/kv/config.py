@@ -34,11 +34,15 @@ class BenchKvConfig:
         default="cpu", metadata={"help": "device of the cache on both sides, e.g. cpu or cuda:0"}
     )
     peer_device: str = field(default="", metadata={"help": "device of the receiving side ('' = --device)"})
-    backend: str = field(default="auto", metadata={"help": "gloo, nccl, or auto (by device)"})
+    backend: str = field(
+        default="auto",
+        metadata={"help": "shm, cuda-ipc, nccl, gloo, or auto (what pdserve takes on one host)"},
+    )
     repeat: int = field(default=5, metadata={"help": "timed runs per size (after one warm-up run)"})
     threads: int = field(default=1, metadata={"help": "intra-op torch threads of each process"})
     timeout_s: float = field(default=120.0, metadata={"help": "bound on every transfer and wait"})
     host: str = field(default="127.0.0.1", metadata={"help": "address both processes use"})
+    shm_dir: str = field(default="/dev/shm", metadata={"help": "shared-memory directory (shm transport)"})
     json: bool = field(default=False, metadata={"help": "print one JSON object per size instead of a table"})
 
     def __post_init__(self) -> None:
@@ -54,10 +58,12 @@ class BenchKvConfig:
         if self.peer_device:
             check_device("peer_device", self.peer_device)
         check_choice("backend", self.backend, BACKENDS)
-        if self.backend_name == "nccl" and not (
+        if self.backend_name in ("nccl", "cuda-ipc") and not (
             self.device.startswith("cuda") and self.receiver_device.startswith("cuda")
         ):
-            raise ValueError("the nccl backend needs CUDA devices on both sides")
+            raise ValueError(f"the {self.backend_name} backend needs CUDA devices on both sides")
+        if self.backend_name == "shm" and self.device != "cpu":
+            raise ValueError("the shm backend moves host memory: --device must be cpu")
         check_positive("timeout_s", self.timeout_s)
 
     @property
@@ -70,9 +76,14 @@ class BenchKvConfig:
 
     @property
     def backend_name(self) -> str:
+        """The transport measured: the one asked for, else what ``--kv-backend auto`` takes between
+        two processes of one host (shared memory from host memory, CUDA IPC on one GPU, NCCL
+        between two)."""
         if self.backend != "auto":
             return self.backend
-        return "nccl" if self.device.startswith("cuda") else "gloo"
+        if not self.device.startswith("cuda"):
+            return "shm"
+        return "cuda-ipc" if self.receiver_device == self.device else "nccl"
 
     def layout(self) -> KvLayout:
         from pdserve.kv.layout import KvLayout

@@ -1,10 +1,13 @@
 """The decode side (rank 1) of ``pdserve bench-kv``, run in a process of its own.
 
-It receives each size over the raw PairChannel into a warm buffer (driven through the rendezvous
-store) and serves one gRPC method, ``Handoff``, which carries a KV handle to it as the gateway's
-Decode call carries one to a decode: it pulls the handle through a real ``KvPuller`` (PullKv over
-gRPC, a fresh buffer per pull) and answers when the call arrived and the puller's control and
-data times, plus, when asked, a digest of what arrived.
+For each size it moves the bytes into a warm buffer over the transport measured, driven through the
+rendezvous store: received over the raw PairChannel (gloo, NCCL), or copied out of the prefill's
+memory where it lies (shm, cuda-ipc: the one copy a decode makes). It serves one gRPC method,
+``Handoff``, which carries a KV handle to it as the gateway's decode call carries one to a decode:
+it pulls the handle through a real ``KvPuller`` (PullKvMany over gRPC; a fresh buffer per pull
+over a pair, or the KV read in place and copied into a warm buffer as into a pool) and answers
+when the call arrived and the puller's control and data times, plus, when asked, a digest of what
+arrived.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -26,8 +30,11 @@ from prometheus_client import CollectorRegistry
 from decode_service.kv_puller import KvPuller
 from decode_service.metrics import DecodeMetrics
 from pdserve.bench.kv.config import BenchKvConfig
+from pdserve.kv import cuda_ipc
 from pdserve.kv.channel import DECODE_RANK, PairChannel, transfer_device
 from pdserve.kv.rendezvous import connect_store
+from pdserve.kv.shared_memory import ArenaReader, host_id
+from pdserve.kv.transports import NETWORK, SAME_HOST
 from pdserve.v1 import kv_pb2
 
 FINGERPRINT = "pdserve-bench-kv"
@@ -60,29 +67,61 @@ def run_peer(config: BenchKvConfig, rendezvous: str) -> None:
     asyncio.run(_serve(config, rendezvous))
 
 
+def transfer_backend(backend: str) -> str:
+    """The pair backend of the raw path and of the sender: the transport itself over a network."""
+    return backend if backend in NETWORK else "gloo"
+
+
 async def _serve(config: BenchKvConfig, rendezvous: str) -> None:
     backend = config.backend_name
     device = torch.device(config.receiver_device)
     timeout = timedelta(seconds=config.timeout_s)
     store = connect_store(rendezvous, timeout)
-    raw = PairChannel(store, RAW_PREFIX, DECODE_RANK, backend, device, config.host, timeout)
+    raw = None
+    if backend in NETWORK:
+        raw = PairChannel(store, RAW_PREFIX, DECODE_RANK, backend, device, config.host, timeout)
     metrics = DecodeMetrics(CollectorRegistry())
+    shm_dir = Path(config.shm_dir)
+    place = cuda_ipc.place_of(device, host_id(shm_dir) if backend in SAME_HOST else "")
     puller = KvPuller(
-        uuid.uuid4().hex, FINGERPRINT, config.layout(), backend, device, config.host, timeout, metrics
+        uuid.uuid4().hex,
+        FINGERPRINT,
+        config.layout(),
+        backend,
+        device,
+        config.host,
+        timeout,
+        metrics,
+        place=place,
+        shm_dir=str(shm_dir),
     )
     clock = Clock(device)
+    pools: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     async def handoff(handle: kv_pb2.KvHandle, context: Any) -> bytes:
         received_at = clock.now()
         pulled = await puller.pull_timed(handle)
+        data_s = pulled.data_s
+        layers = pulled.layers
+        if pulled.transport in SAME_HOST:  # read in place: the decode copies it into its pool once
+            pool = pools.get(handle.num_tokens)
+            if pool is None:
+                pool = pools[handle.num_tokens] = [(k.clone(), v.clone()) for k, v in layers]
+            start = clock.now()
+            for (k, v), (pk, pv) in zip(layers, pool, strict=True):
+                pk.copy_(k)
+                pv.copy_(v)
+            data_s = clock.now() - start
+            pulled.release()
+            layers = pool
         answer: dict[str, Any] = {
             "received_at": received_at,
             "control_s": pulled.control_s,
-            "data_s": pulled.data_s,
+            "data_s": data_s,
         }
         if any(key == DIGEST_METADATA for key, _ in context.invocation_metadata()):
-            answer["digest"] = digest([t for kv in pulled.layers for t in kv])
-        del pulled  # the buffer is freed before the answer, outside the next handoff's times
+            answer["digest"] = digest([t for kv in layers for t in kv])
+        del pulled, layers  # the buffer is freed before the answer, outside the next handoff's times
         return json.dumps(answer).encode()
 
     server = grpc.aio.server()
@@ -94,23 +133,39 @@ async def _serve(config: BenchKvConfig, rendezvous: str) -> None:
     port = server.add_insecure_port(f"{config.host}:0")
     await server.start()
     await _set(store, "peer/address", f"{config.host}:{port}")
-    target = transfer_device(backend, device)
+    target = transfer_device(transfer_backend(backend), device) if raw is not None else device
     try:
         for num_tokens in config.token_counts:
             size = json.loads(await _get(store, f"size/{num_tokens}"))
             warm = torch.empty(size["bytes"], dtype=torch.uint8, device=target)
+            source = _lent_source(size, shm_dir, config) if raw is None else None
             for i in range(config.repeat + 1):
-                future: concurrent.futures.Future[None] = raw.recv(warm)
-                await _set(store, f"raw/{num_tokens}/{i}/posted", "1")
-                await asyncio.wrap_future(future)
-                await _set(store, f"raw/{num_tokens}/{i}/done", str(clock.now()))
+                if source is None and raw is not None:
+                    future: concurrent.futures.Future[None] = raw.recv(warm)
+                    await _set(store, f"raw/{num_tokens}/{i}/posted", "1")
+                    await asyncio.wrap_future(future)
+                    await _set(store, f"raw/{num_tokens}/{i}/done", str(clock.now()))
+                elif source is not None:
+                    await _set(store, f"raw/{num_tokens}/{i}/posted", "1")
+                    start = clock.now()
+                    warm.copy_(source)
+                    await _set(store, f"raw/{num_tokens}/{i}/took", str(clock.now() - start))
             await _set(store, f"raw/{num_tokens}/digest", digest([warm]))
-            del warm
+            del warm, source
         await _get(store, "finished")
     finally:
-        raw.close()
+        if raw is not None:
+            raw.close()
         await server.stop(0)
         await puller.close()
+
+
+def _lent_source(size: dict[str, Any], shm_dir: Path, config: BenchKvConfig) -> torch.Tensor:
+    """The prefill's buffer, read in place: a region of its arena, or its exported GPU memory."""
+    if "offset" in size:
+        return ArenaReader(shm_dir, size["instance"]).region(int(size["offset"]), int(size["bytes"]))
+    message = kv_pb2.CudaIpcBuffer.FromString(bytes.fromhex(size["ipc"]))
+    return cuda_ipc.open_buffer(message, torch.device(config.device).index or 0)
 
 
 async def _set(store: Any, key: str, value: str | bytes) -> None:

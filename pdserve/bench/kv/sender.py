@@ -1,5 +1,6 @@
-"""The prefill side (rank 0) of ``pdserve bench-kv``: packs, copies and sends each size, serves
-PullKv, and gathers what the decode side measured (see ``pdserve.bench.kv.command``)."""
+"""The prefill side (rank 0) of ``pdserve bench-kv``: packs, copies and moves each size over the
+transport measured, serves the pull calls, and gathers what the decode side measured (see
+``pdserve.bench.kv.command``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import statistics
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,14 +28,20 @@ from pdserve.bench.kv.peer import (
     Clock,
     digest,
     run_peer,
+    transfer_backend,
 )
+from pdserve.kv import cuda_ipc
 from pdserve.kv.channel import PREFILL_RANK, PairChannel, transfer_device
 from pdserve.kv.handle import HandleIssuer
 from pdserve.kv.layout import pack, unpack
 from pdserve.kv.rendezvous import host_store
+from pdserve.kv.shared_memory import InstanceLock, SharedArena, host_id, is_alive
+from pdserve.kv.transports import NETWORK, SAME_HOST, SHM
 from pdserve.v1 import kv_pb2, prefill_pb2_grpc
+from prefill_service.kv_lender import KvLender
 from prefill_service.kv_registry import KvRegistry
 from prefill_service.kv_sender import KvSender
+from prefill_service.kv_space import KvSpace
 from prefill_service.metrics import PrefillMetrics
 from prefill_service.servicer import KvHandoffServicer
 
@@ -48,54 +57,70 @@ async def run(config: BenchKvConfig, emit: Callable[[dict[str, Any]], None]) -> 
     metrics = PrefillMetrics(CollectorRegistry())
     registry = KvRegistry(config.timeout_s)
     instance_id = uuid.uuid4().hex
-    sender = KvSender(instance_id, store, backend, device, config.host, timeout, metrics)
+    shm_dir = Path(config.shm_dir)
+    lock = InstanceLock(shm_dir, instance_id) if backend == SHM else None
+    largest = max(map(config.layout().num_bytes, config.token_counts))
+    arena = SharedArena(shm_dir, instance_id, 3 * largest + (1 << 20)) if lock else None
+    place = cuda_ipc.place_of(device, host_id(shm_dir) if backend in SAME_HOST else "")
+    space = KvSpace(backend, place, device, arena)
+    lender = KvLender(partial(is_alive, shm_dir))
+    sender = KvSender(instance_id, store, transfer_backend(backend), device, config.host, timeout, metrics)
     server = grpc.aio.server()
-    prefill_pb2_grpc.add_PrefillServicer_to_server(KvHandoffServicer(registry, sender, metrics), server)
+    servicer = KvHandoffServicer(registry, sender, metrics, lender)
+    prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{config.host}:0")
     await server.start()
     template = HandleIssuer(
         prefill_address=f"{config.host}:{port}",
         prefill_instance_id=instance_id,
         rendezvous_address=rendezvous,
-        backend=backend,
         model_fingerprint=FINGERPRINT,
         layout=config.layout(),
+        place=place,
     )
     peer = multiprocessing.get_context("spawn").Process(
         target=run_peer, args=(config, rendezvous), name="bench-kv-decode", daemon=True
     )
     peer.start()
-    raw = PairChannel(store, RAW_PREFIX, PREFILL_RANK, backend, device, config.host, timeout)
+    raw = None
+    if backend in NETWORK:
+        raw = PairChannel(store, RAW_PREFIX, PREFILL_RANK, backend, device, config.host, timeout)
     peer_channel = grpc.aio.insecure_channel((await _get(store, "peer/address")).decode())
     handoff = peer_channel.unary_unary(
         HANDOFF_METHOD, request_serializer=kv_pb2.KvHandle.SerializeToString, response_deserializer=json.loads
     )
     try:
         for num_tokens in config.token_counts:
-            emit(await _measure(config, num_tokens, store, raw, registry, template, handoff))
+            emit(await _measure(config, num_tokens, store, raw, space, registry, template, handoff))
         await _set(store, "finished", "1")
     finally:
-        raw.close()
+        if raw is not None:
+            raw.close()
         sender.close()
         await peer_channel.close()
         await server.stop(0)
         peer.join(config.timeout_s)
         if peer.is_alive():
             peer.kill()
+        lender.close()
+        space.close()
+        if lock is not None:
+            lock.release()
 
 
 async def _measure(
     config: BenchKvConfig,
     num_tokens: int,
     store: Any,
-    raw: PairChannel,
+    raw: PairChannel | None,
+    space: KvSpace,
     registry: KvRegistry,
     template: HandleIssuer,
     handoff: Any,
 ) -> dict[str, Any]:
     layout = config.layout()
     clock = Clock(torch.device(config.device))
-    target = transfer_device(config.backend_name, torch.device(config.device))
+    target = transfer_device(transfer_backend(config.backend_name), torch.device(config.device))
     generator = torch.Generator(device=config.device).manual_seed(num_tokens)
     shape = (1, config.kv_heads, num_tokens, config.head_dim)
 
@@ -121,22 +146,39 @@ async def _measure(
     num_bytes = buf.numel()
     sent_raw = digest([buf])
     sent_kv = digest([t for kv in unpack(buf, layout, num_tokens) for t in kv])
-    await _set(store, f"size/{num_tokens}", json.dumps({"bytes": num_bytes}))
+    shared = space.allocate(num_bytes) if raw is None else None
+    where: dict[str, Any] = {"bytes": num_bytes}
+    if shared is not None:
+        shared.tensor.copy_(buf)
+        if shared.arena_offset is not None:
+            where["offset"] = shared.arena_offset
+            where["instance"] = template.prefill_instance_id
+        else:
+            where["ipc"] = cuda_ipc.export(shared.tensor).SerializeToString().hex()
+    await _set(store, f"size/{num_tokens}", json.dumps(where))
 
     transfer_s = []
     for i in range(config.repeat + 1):
         await _get(store, f"raw/{num_tokens}/{i}/posted")
-        start = clock.now()
-        await asyncio.wrap_future(raw.send(buf))
-        done = float(await _get(store, f"raw/{num_tokens}/{i}/done"))
+        if raw is not None:
+            start = clock.now()
+            await asyncio.wrap_future(raw.send(buf))
+            done = float(await _get(store, f"raw/{num_tokens}/{i}/done"))
+            took = done - start
+        else:  # read in place: the decode's one copy out of the prefill's memory
+            took = float(await _get(store, f"raw/{num_tokens}/{i}/took"))
         if i:
-            transfer_s.append(done - start)
+            transfer_s.append(took)
     received_raw = (await _get(store, f"raw/{num_tokens}/digest")).decode()
+    if shared is not None:
+        shared.free()
 
     hop_s, control_s, data_s = [], [], []
     received_kv = ""
     for i in range(config.repeat + 1):
-        entry = registry.park(buf, num_tokens)
+        parked = space.allocate(num_bytes)
+        parked.tensor.copy_(buf)
+        entry = registry.park(parked, num_tokens)
         handle = template.issue(entry)
         last = i == config.repeat
         sent_at = clock.now()
