@@ -362,6 +362,7 @@ ENGINE_ENV = [
     "PDSERVE_EP_TIMEOUT_S",
     "PDSERVE_EP_RANK",
     "PDSERVE_EP_MASTER",
+    "PDSERVE_EP_DEVICES",
 ]
 TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S", "PDSERVE_KV_SHM_DIR"]
 
@@ -449,11 +450,26 @@ def test_expert_parallel_fields_are_validated(kwargs: dict[str, Any], message: s
 
 @pytest.mark.parametrize(
     ("device", "ep", "rank", "expected"),
-    [("cpu", 4, 3, "cpu"), ("cuda", 2, 1, "cuda:1"), ("cuda:2", 4, 3, "cuda:5"), ("cuda:1", 1, 0, "cuda:1")],
+    [
+        ("cpu", 4, 3, "cpu"),
+        ("cuda", 2, 1, "cuda:1"),
+        ("cuda:2", 4, 3, "cuda:5"),
+        ("cuda:1", 1, 0, "cuda:1"),
+        ("cuda", 1, 0, "cuda:0"),
+    ],
 )
 def test_each_rank_takes_its_own_gpu(device: str, ep: int, rank: int, expected: str) -> None:
     master = "127.0.0.1:1" if rank else ""
     assert EngineConfig(device=device, ep=ep, ep_rank=rank, ep_master=master).rank_device == expected
+
+
+def test_ranks_take_the_gpus_listed() -> None:
+    listed = EngineConfig(device="cuda", ep=2, ep_rank=1, ep_master="h:1", ep_devices=("cuda:3", "cuda"))
+    assert listed.rank_device == "cuda:0"
+    with pytest.raises(ValueError, match="ep_devices must name 2 devices"):
+        EngineConfig(device="cuda", ep=2, ep_devices=("cuda:1",))
+    with pytest.raises(ValueError, match="ep_devices must be cpu or cuda"):
+        EngineConfig(device="cuda", ep=1, ep_devices=("gpu",))
 
 
 @pytest.mark.parametrize("cls", [PrefillConfig, DecodeConfig, ColocatedConfig, GatewayConfig])

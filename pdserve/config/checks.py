@@ -50,6 +50,14 @@ def check_device(name: str, value: str) -> None:
         raise ValueError(f"{name} must be cpu or cuda[:N], got {value!r}")
 
 
+def device_at(device: str, offset: int = 0) -> str:
+    """``device`` with its index made explicit, ``offset`` GPUs on: ``cuda`` is ``cuda:0``."""
+    if not device.startswith("cuda"):
+        return device
+    _, _, index = device.partition(":")
+    return f"cuda:{int(index or 0) + offset}"
+
+
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")

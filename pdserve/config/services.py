@@ -17,6 +17,7 @@ from pdserve.config.checks import (
     check_non_negative,
     check_port,
     check_positive,
+    device_at,
 )
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -58,6 +59,10 @@ class EngineConfig:
     ep_master: str = field(
         default="", metadata={"help": "HOST:PORT of rank 0's group store (set by rank 0 for the others)"}
     )
+    ep_devices: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "device of each expert-parallel rank (default: consecutive GPUs from --device)"},
+    )
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -74,14 +79,20 @@ class EngineConfig:
             raise ValueError("ep_master must be set on ranks other than 0")
         if self.ep_master:
             check_address("ep_master", self.ep_master)
+        if self.ep_devices and len(self.ep_devices) != self.ep:
+            raise ValueError(
+                f"ep_devices must name {self.ep} devices (one per rank), got {len(self.ep_devices)}"
+            )
+        for device in self.ep_devices:
+            check_device("ep_devices", device)
 
     @property
     def rank_device(self) -> str:
-        """This rank's device: rank r of a cuda group takes the r-th GPU from the configured one."""
-        if self.ep == 1 or not self.device.startswith("cuda"):
-            return self.device
-        _, _, index = self.device.partition(":")
-        return f"cuda:{int(index or 0) + self.ep_rank}"
+        """This rank's device, index explicit: its entry of ``ep_devices``, else the r-th GPU from
+        ``device`` (``cuda`` is ``cuda:0``)."""
+        if self.ep_devices:
+            return device_at(self.ep_devices[self.ep_rank])
+        return device_at(self.device, self.ep_rank)
 
 
 @dataclass(frozen=True)
