@@ -16,9 +16,10 @@ from typing import Any
 import grpc
 import torch
 
-from decode_service.engine import DecodeEngine, DecodeSequence
+from decode_service.engine import DecodeEngine
 from decode_service.kv_source import KvSource
 from decode_service.metrics import DecodeMetrics
+from decode_service.sequence import DecodeSequence, Emission
 from pdserve.core.sampling import SamplingParams
 from pdserve.model.engine_model import ForwardUnavailable
 from pdserve.rpc.errors import RpcError, abort
@@ -28,7 +29,6 @@ from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-_Item = tuple[list[int], str | None, BaseException | None]
 _Kv = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -52,26 +52,29 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except RpcError as exc:
             await abort(context, exc.code, exc.message)
 
-        items: asyncio.Queue[_Item] = asyncio.Queue()
-
-        def emit(tokens: list[int], reason: str | None, error: BaseException | None) -> None:
-            items.put_nowait((tokens, reason, error))
+        items: asyncio.Queue[Emission] = asyncio.Queue()
 
         seq = DecodeSequence(
-            request.request_id, kv, request.first_token_id, params, emit, loop=asyncio.get_running_loop()
+            request.request_id,
+            kv,
+            request.first_token_id,
+            params,
+            items.put_nowait,
+            loop=asyncio.get_running_loop(),
         )
         self._engine.submit(seq)
         try:
             while True:
-                tokens, reason, error = await items.get()
-                while reason is None and error is None and not items.empty():
-                    more, reason, error = items.get_nowait()
-                    tokens.extend(more)
-                if error is not None:
-                    failure = engine_error(error)
+                emission = await items.get()
+                tokens = list(emission.token_ids)
+                while not emission.is_last and not items.empty():
+                    emission = items.get_nowait()
+                    tokens.extend(emission.token_ids)
+                if emission.error is not None:
+                    failure = engine_error(emission.error)
                     await abort(context, failure.code, failure.message)
-                yield decode_pb2.DecodeResponse(token_ids=tokens, finish_reason=reason or "")
-                if reason is not None:
+                yield decode_pb2.DecodeResponse(token_ids=tokens, finish_reason=emission.finish_reason or "")
+                if emission.finish_reason is not None:
                     return
         finally:
             seq.cancel()
@@ -88,13 +91,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         params, kv = await self._prepare(request)
         ended = asyncio.get_running_loop().create_future()
 
-        def emit(tokens: list[int], reason: str | None, error: BaseException | None) -> None:
-            if error is not None:
-                failure = engine_error(error)
-                stream.post(tag, tokens, code=failure.code, message=failure.message)
+        def emit(emission: Emission) -> None:
+            if emission.error is not None:
+                failure = engine_error(emission.error)
+                stream.post(tag, emission.token_ids, code=failure.code, message=failure.message)
             else:
-                stream.post(tag, tokens, reason or "")
-            if (reason is not None or error is not None) and not ended.done():
+                stream.post(tag, emission.token_ids, emission.finish_reason or "")
+            if emission.is_last and not ended.done():
                 ended.set_result(None)
 
         seq = DecodeSequence(
