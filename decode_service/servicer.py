@@ -1,9 +1,12 @@
 """gRPC servicer of pdserve.v1.Decode: pull the KV, join the engine, stream tokens back.
 
-``Decode`` carries one request per call; ``DecodeMany`` carries many over one call and sends each
-engine step's tokens for all of them in one message (``pdserve.rpc.update_stream``). Both admit a
-request the same way (``_prepare``: validate, check it can ever fit, pull its KV) and report an
-engine failure with the same status.
+``DecodeMany`` carries many requests over one call and sends each engine step's tokens for all of
+them in one message (``pdserve.rpc.update_stream``); ``Decode`` is a DecodeMany call of one request.
+Each request:
+1. is validated, checked to fit the pool ever, and its KV pulled (``_prepare``);
+2. joins the engine as a ``DecodeSequence`` whose emissions become its updates;
+3. ends at its last update (finish reason, or the engine's error as a status); cancelling the call
+   or the request cancels its sequence.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from decode_service.metrics import DecodeMetrics
 from decode_service.sequence import DecodeSequence, Emission
 from pdserve.core.sampling import SamplingParams
 from pdserve.model.engine_model import ForwardUnavailable
-from pdserve.rpc.errors import RpcError, abort
+from pdserve.rpc.errors import RpcError
 from pdserve.rpc.sampling_proto import sampling_from_proto
-from pdserve.rpc.update_stream import UpdateStream, serve_many
+from pdserve.rpc.update_stream import UpdateStream, serve_many, serve_one
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -47,37 +50,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: Any
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        try:
-            params, kv = await self._prepare(request)
-        except RpcError as exc:
-            await abort(context, exc.code, exc.message)
-
-        items: asyncio.Queue[Emission] = asyncio.Queue()
-
-        seq = DecodeSequence(
-            request.request_id,
-            kv,
-            request.first_token_id,
-            params,
-            items.put_nowait,
-            loop=asyncio.get_running_loop(),
-        )
-        self._engine.submit(seq)
-        try:
-            while True:
-                emission = await items.get()
-                tokens = list(emission.token_ids)
-                while not emission.is_last and not items.empty():
-                    emission = items.get_nowait()
-                    tokens.extend(emission.token_ids)
-                if emission.error is not None:
-                    failure = engine_error(emission.error)
-                    await abort(context, failure.code, failure.message)
-                yield decode_pb2.DecodeResponse(token_ids=tokens, finish_reason=emission.finish_reason or "")
-                if emission.finish_reason is not None:
-                    return
-        finally:
-            seq.cancel()
+        async for response in serve_one(request, self._run, context):
+            yield response
 
     async def DecodeMany(
         self, request_iterator: AsyncIterator[decode_pb2.DecodeManyRequest], context: Any
@@ -87,7 +61,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield response
 
     async def _run(self, tag: int, request: decode_pb2.DecodeRequest, stream: UpdateStream) -> None:
-        """One request of a DecodeMany call, until its last update; cancelling this cancels it."""
+        """One request of a call, until its last update; cancelling this cancels it."""
         params, kv = await self._prepare(request)
         ended = asyncio.get_running_loop().create_future()
 
