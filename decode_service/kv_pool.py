@@ -1,9 +1,10 @@
 """Paged KV storage of a decode process.
 
 Per layer there is one key tensor ``[num_blocks * block_size, heads, width]`` (token-major, so a
-gathered position is one contiguous row) and one value tensor of the same form (key and value widths may differ, as in MLA models). A request owns a list of
-blocks; the position ``p`` of a request lives at token slot ``blocks[p // block_size] * block_size
-+ p % block_size``. Admitting a request copies only its own KV into its blocks; nothing else
+gathered position is one contiguous row) and one value tensor of the same form (key and value
+widths may differ, as in MLA models). A request owns a list of blocks; the position ``p`` of a
+request lives at token slot ``blocks[p // block_size] * block_size + p % block_size`` (``slot``,
+``slots``). Admitting a request copies only its own KV into its blocks; nothing else
 moves. A request reserves, when admitted, every block it can need until it finishes, so a
 running request never runs out of space: requests that do not fit wait.
 """
@@ -54,6 +55,10 @@ class KvPool:
 
     def free(self, blocks: Sequence[int]) -> None:
         self._free.extend(reversed(blocks))
+
+    def slot(self, blocks: Sequence[int], position: int) -> int:
+        """The token slot of position ``position`` of a request owning ``blocks``."""
+        return blocks[position // self.block_size] * self.block_size + position % self.block_size
 
     def slots(self, blocks: Sequence[int], start: int, count: int) -> torch.Tensor:
         """Token slots of positions [start, start + count) of a request owning ``blocks``."""

@@ -1,9 +1,12 @@
 """gRPC servicer of pdserve.v1.Decode: pull the KV, join the engine, stream tokens back.
 
-``Decode`` carries one request per call; ``DecodeMany`` carries many over one call and sends each
-engine step's tokens for all of them in one message (``pdserve.rpc.update_stream``). Both admit a
-request the same way (``_prepare``: validate, check it can ever fit, pull its KV) and report an
-engine failure with the same status.
+``DecodeMany`` carries many requests over one call and sends each engine step's tokens for all of
+them in one message (``pdserve.rpc.update_stream``); ``Decode`` is a DecodeMany call of one request.
+Each request:
+1. is validated, checked to fit the pool ever, and its KV pulled (``_prepare``);
+2. joins the engine as a ``DecodeSequence`` whose emissions become its updates;
+3. ends at its last update (finish reason, or the engine's error as a status); cancelling the call
+   or the request cancels its sequence.
 """
 
 from __future__ import annotations
@@ -16,19 +19,19 @@ from typing import Any
 import grpc
 import torch
 
-from decode_service.engine import DecodeEngine, DecodeSequence
+from decode_service.engine import DecodeEngine
 from decode_service.kv_source import KvSource
 from decode_service.metrics import DecodeMetrics
+from decode_service.sequence import DecodeSequence, Emission
 from pdserve.core.sampling import SamplingParams
 from pdserve.model.engine_model import ForwardUnavailable
-from pdserve.rpc.errors import RpcError, abort
+from pdserve.rpc.errors import RpcError
 from pdserve.rpc.sampling_proto import sampling_from_proto
-from pdserve.rpc.update_stream import UpdateStream, serve_many
+from pdserve.rpc.update_stream import UpdateStream, serve_many, serve_one
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-_Item = tuple[list[int], str | None, BaseException | None]
 _Kv = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -47,34 +50,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: Any
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        try:
-            params, kv = await self._prepare(request)
-        except RpcError as exc:
-            await abort(context, exc.code, exc.message)
-
-        items: asyncio.Queue[_Item] = asyncio.Queue()
-
-        def emit(tokens: list[int], reason: str | None, error: BaseException | None) -> None:
-            items.put_nowait((tokens, reason, error))
-
-        seq = DecodeSequence(
-            request.request_id, kv, request.first_token_id, params, emit, loop=asyncio.get_running_loop()
-        )
-        self._engine.submit(seq)
-        try:
-            while True:
-                tokens, reason, error = await items.get()
-                while reason is None and error is None and not items.empty():
-                    more, reason, error = items.get_nowait()
-                    tokens.extend(more)
-                if error is not None:
-                    failure = engine_error(error)
-                    await abort(context, failure.code, failure.message)
-                yield decode_pb2.DecodeResponse(token_ids=tokens, finish_reason=reason or "")
-                if reason is not None:
-                    return
-        finally:
-            seq.cancel()
+        async for response in serve_one(request, self._run, context):
+            yield response
 
     async def DecodeMany(
         self, request_iterator: AsyncIterator[decode_pb2.DecodeManyRequest], context: Any
@@ -84,17 +61,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield response
 
     async def _run(self, tag: int, request: decode_pb2.DecodeRequest, stream: UpdateStream) -> None:
-        """One request of a DecodeMany call, until its last update; cancelling this cancels it."""
+        """One request of a call, until its last update; cancelling this cancels it."""
         params, kv = await self._prepare(request)
         ended = asyncio.get_running_loop().create_future()
 
-        def emit(tokens: list[int], reason: str | None, error: BaseException | None) -> None:
-            if error is not None:
-                failure = engine_error(error)
-                stream.post(tag, tokens, code=failure.code, message=failure.message)
+        def emit(emission: Emission) -> None:
+            if emission.error is not None:
+                failure = engine_error(emission.error)
+                stream.post(tag, emission.token_ids, code=failure.code, message=failure.message)
             else:
-                stream.post(tag, tokens, reason or "")
-            if (reason is not None or error is not None) and not ended.done():
+                stream.post(tag, emission.token_ids, emission.finish_reason or "")
+            if emission.is_last and not ended.done():
                 ended.set_result(None)
 
         seq = DecodeSequence(

@@ -26,7 +26,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -34,9 +34,10 @@ import torch
 from prometheus_client import CollectorRegistry
 from transformers import AutoModelForCausalLM
 
-from decode_service.engine import DecodeEngine, DecodeSequence
+from decode_service.engine import DecodeEngine
 from decode_service.kv_pool import KvPool
 from decode_service.metrics import DecodeMetrics
+from decode_service.sequence import DecodeSequence, Emission, EmitFn
 from pdserve.config import EngineConfig
 from pdserve.core.limits import ModelLimits
 from pdserve.core.sampling import SamplingParams
@@ -127,12 +128,12 @@ def decode(
     remaining = [len(prefilled)]
     done = threading.Event()
 
-    def emitter(row: int) -> Callable[[list[int], str | None, BaseException | None], None]:
-        def emit(new: list[int], reason: str | None, error: BaseException | None) -> None:
-            tokens[row].extend(new)
-            if error is not None:
-                errors.append(error)
-            if reason is not None or error is not None:
+    def emitter(row: int) -> EmitFn:
+        def emit(emission: Emission) -> None:
+            tokens[row].extend(emission.token_ids)
+            if emission.error is not None:
+                errors.append(emission.error)
+            if emission.is_last:
                 remaining[0] -= 1
                 if remaining[0] == 0:
                     done.set()

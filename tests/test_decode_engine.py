@@ -11,9 +11,10 @@ import torch
 from prometheus_client import CollectorRegistry
 from transformers import DynamicCache
 
-from decode_service.engine import DecodeEngine, DecodeSequence
+from decode_service.engine import DecodeEngine
 from decode_service.kv_pool import KvPool
 from decode_service.metrics import DecodeMetrics
+from decode_service.sequence import DecodeSequence, Emission
 from pdserve.config import EngineConfig
 from pdserve.core.sampling import SamplingParams
 from pdserve.model.engine_model import load_engine_model
@@ -28,9 +29,9 @@ def run_one(engine: DecodeEngine, m: Any, prompt: list[int], max_tokens: int) ->
     tokens = [first]
     done = threading.Event()
 
-    def emit(new: list[int], reason: str | None, error: BaseException | None) -> None:
-        tokens.extend(new)
-        if reason is not None or error is not None:
+    def emit(emission: Emission) -> None:
+        tokens.extend(emission.token_ids)
+        if emission.finish_reason is not None or emission.error is not None:
             done.set()
 
     kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]

@@ -6,9 +6,9 @@ server carries these routers instead:
   prefills its own requests and parks their KV; the handle names that rank and its address, so a
   decode pulls from it directly);
 - ReleaseKv goes to every rank (the one holding the handle releases it);
-- Decode goes to the rank with the fewest streams in flight, or, when a decode takes the KV in
-  memory (colocated), to the rank named in the handle; each request of a DecodeMany call goes to
-  its rank the same way, and its answers come back as that call's updates.
+- each request of a DecodeMany call goes to the rank with the fewest streams in flight, or, when a
+  decode takes the KV in memory (colocated), to the rank named in the handle; its answers come
+  back as that call's updates. A Decode call is relayed as a DecodeMany call of one request.
 Status codes and messages of a rank's answer reach the caller unchanged.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ import grpc
 
 from pdserve.rpc.errors import RpcError, abort
 from pdserve.rpc.server import MESSAGE_SIZE_OPTIONS
-from pdserve.rpc.update_stream import UpdateStream, serve_many
+from pdserve.rpc.update_stream import UpdateStream, serve_many, serve_one
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 
@@ -95,21 +96,9 @@ class DecodeRouter(decode_pb2_grpc.DecodeServicer):
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: Any
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        try:
-            rank = self._rank_for(request)
-        except RpcError as exc:
-            await abort(context, exc.code, exc.message)
-        self._ranks.in_flight[rank] += 1
-        call = self._stubs[rank].Decode(request, timeout=context.time_remaining())
-        try:
-            async for response in call:
-                yield response
-        except grpc.aio.AioRpcError as exc:
-            await abort(context, exc.code(), exc.details() or "")
-        finally:
-            self._ranks.in_flight[rank] -= 1
-            with contextlib.suppress(Exception):
-                call.cancel()
+        relay = functools.partial(self._relay, timeout=context.time_remaining())
+        async for response in serve_one(request, relay, context):
+            yield response
 
     async def DecodeMany(
         self, request_iterator: AsyncIterator[decode_pb2.DecodeManyRequest], context: Any
@@ -117,10 +106,17 @@ class DecodeRouter(decode_pb2_grpc.DecodeServicer):
         async for response in serve_many(request_iterator, self._relay):
             yield response
 
-    async def _relay(self, tag: int, request: decode_pb2.DecodeRequest, stream: UpdateStream) -> None:
+    async def _relay(
+        self,
+        tag: int,
+        request: decode_pb2.DecodeRequest,
+        stream: UpdateStream,
+        timeout: float | None = None,
+    ) -> None:
+        """One request of a call, decoded by its rank; ``timeout``: the deadline the rank gets."""
         rank = self._rank_for(request)
         self._ranks.in_flight[rank] += 1
-        call = self._stubs[rank].Decode(request)
+        call = self._stubs[rank].Decode(request, timeout=timeout)
         try:
             async for response in call:
                 stream.post(tag, response.token_ids, response.finish_reason)

@@ -8,24 +8,32 @@ request that is not live are dropped. The responses end once the caller has clos
 request is live.
 
 ``serve_many`` runs a whole DecodeMany call over a coroutine that serves one request: each start
-becomes a task of its own, cancelled by the request's cancel or the end of the call.
+becomes a task of its own, cancelled by the request's cancel or the end of the call. ``serve_one``
+runs a Decode call (one request) as a DecodeMany call of that request alone: its updates become
+DecodeResponse messages, and an update's error ends the call with that update's status.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 
-from pdserve.rpc.errors import RpcError
+from pdserve.rpc.errors import RpcError, abort, status_code
 from pdserve.v1 import decode_pb2
 
 logger = logging.getLogger(__name__)
 
+ONLY_TAG = 0  # the tag of the request of a Decode call
+
 # Serves one request of a call: posts its updates under its tag; raises RpcError to fail it.
+# ``serve_many`` runs it until the request's last update (a request whose ``RunOne`` returns before
+# that stays live until the caller cancels it).
 RunOne = Callable[[int, decode_pb2.DecodeRequest, "UpdateStream"], Awaitable[None]]
 
 
@@ -98,19 +106,10 @@ class UpdateStream:
 
 async def serve_many(
     requests: AsyncIterator[decode_pb2.DecodeManyRequest], run_one: RunOne
-) -> AsyncIterator[decode_pb2.DecodeManyResponse]:
+) -> AsyncGenerator[decode_pb2.DecodeManyResponse, None]:
     """The responses of one DecodeMany call whose requests ``run_one`` serves."""
     stream = UpdateStream()
     tasks: dict[int, asyncio.Task[None]] = {}
-
-    async def run(tag: int, request: decode_pb2.DecodeRequest) -> None:
-        try:
-            await run_one(tag, request, stream)
-        except RpcError as exc:
-            stream.post(tag, code=exc.code, message=exc.message)
-        except Exception:
-            logger.exception("request %s (tag %d) failed", request.request_id, tag)
-            stream.post(tag, code=grpc.StatusCode.INTERNAL, message="internal error")
 
     def forget(tag: int, task: asyncio.Task[None]) -> None:
         if tasks.get(tag) is task:
@@ -124,7 +123,7 @@ async def serve_many(
                     if not stream.open(tag):
                         stream.reject(tag, grpc.StatusCode.INVALID_ARGUMENT, f"tag {tag} is already in use")
                         continue
-                    task = asyncio.create_task(run(tag, message.start))
+                    task = asyncio.create_task(_run(run_one, tag, message.start, stream))
                     tasks[tag] = task
                     task.add_done_callback(functools.partial(forget, tag))
                 elif action == "cancel":
@@ -143,3 +142,34 @@ async def serve_many(
         reader.cancel()
         for task in list(tasks.values()):
             task.cancel()
+
+
+async def serve_one(
+    request: decode_pb2.DecodeRequest, run_one: RunOne, context: Any
+) -> AsyncIterator[decode_pb2.DecodeResponse]:
+    """The responses of one Decode call: ``request`` served as the only request of a DecodeMany call.
+
+    The updates gathered in one DecodeMany message become one response; an error aborts the call.
+    """
+    async with contextlib.aclosing(serve_many(_only(request), run_one)) as responses:
+        async for response in responses:
+            last = response.updates[-1]  # nothing follows a request's last update
+            if last.error_code:
+                await abort(context, status_code(last.error_code), last.error_message)
+            token_ids = [t for update in response.updates for t in update.token_ids]
+            yield decode_pb2.DecodeResponse(token_ids=token_ids, finish_reason=last.finish_reason)
+
+
+async def _run(run_one: RunOne, tag: int, request: decode_pb2.DecodeRequest, stream: UpdateStream) -> None:
+    """Runs one request of a call; its failure becomes its last update."""
+    try:
+        await run_one(tag, request, stream)
+    except RpcError as exc:
+        stream.post(tag, code=exc.code, message=exc.message)
+    except Exception:
+        logger.exception("request %s (tag %d) failed", request.request_id, tag)
+        stream.post(tag, code=grpc.StatusCode.INTERNAL, message="internal error")
+
+
+async def _only(request: decode_pb2.DecodeRequest) -> AsyncIterator[decode_pb2.DecodeManyRequest]:
+    yield decode_pb2.DecodeManyRequest(tag=ONLY_TAG, start=request)

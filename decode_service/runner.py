@@ -1,0 +1,102 @@
+"""One decode step's forward: from the running rows to one sampled token per row.
+
+1. the batch context takes the rows (``step_cache.BatchContext``): a joining row's KV is copied in
+   from its blocks, a leaving row's place taken by the last row; the step runs the rows in the
+   context's order;
+2. each row feeds its last token at its own position (its cached length), writes that position's
+   KV to its pool slot, and attends to its own positions up to that one (the rest of the longest
+   row's length is masked);
+3. one forward of all rows through ``EngineModel.forward`` over a ``StepCache``;
+4. each row's token: the first maximum of its logits when greedy, else ``sample`` at its own step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from decode_service.kv_pool import KvPool
+from decode_service.sequence import DecodeSequence
+from decode_service.step_cache import BatchContext, StepCache, StepLayer
+from pdserve.core.sampling import sample
+from pdserve.model.engine_model import EngineModel
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    rows: list[DecodeSequence]  # in the order the step ran them
+    token_ids: list[int]  # the token sampled for each row
+
+
+class StepRunner:
+    def __init__(self, engine_model: EngineModel, pool: KvPool, max_rows: int) -> None:
+        self._m = engine_model
+        self._pool = pool
+        self._context = BatchContext(pool, max_rows)
+        self._mask_value = torch.finfo(engine_model.kv_layout.dtype).min
+
+    def run(self, rows: Sequence[DecodeSequence]) -> StepOutput:
+        ordered = self._arrange(rows)
+        logits = self._forward(ordered)
+        return StepOutput(ordered, self._sample(logits, ordered))
+
+    def clear(self) -> None:
+        """Forgets the rows of the batch context (nothing runs, or other rows will)."""
+        self._context.clear()
+
+    def _arrange(self, rows: Sequence[DecodeSequence]) -> list[DecodeSequence]:
+        """Syncs the batch context to ``rows``; the rows in the context's order."""
+        order = self._context.sync(
+            [s.serial for s in rows], [s.blocks for s in rows], [s.num_cached for s in rows]
+        )
+        return [rows[i] for i in order]
+
+    def _forward(self, rows: Sequence[DecodeSequence]) -> torch.Tensor:
+        """The last position's logits of each row, ``[rows, vocab]``."""
+        device = self._m.device
+        lengths = torch.tensor([s.num_cached for s in rows], dtype=torch.long)
+        length = int(lengths.max()) + 1
+        write = torch.tensor([self._pool.slot(s.blocks, s.num_cached) for s in rows], dtype=torch.long)
+        lengths_d = lengths.to(device)
+        out = self._m.forward(
+            input_ids=torch.tensor([[s.last_token_id] for s in rows], dtype=torch.long, device=device),
+            position_ids=lengths_d[:, None],
+            attention_mask=self._mask(lengths, length).to(device),
+            cache=self._cache(len(rows), write.to(device), lengths_d, length),
+            use_cache=True,
+        )
+        logits: torch.Tensor = out.logits[:, -1]
+        return logits
+
+    def _mask(self, lengths: torch.Tensor, length: int) -> torch.Tensor:
+        """``[rows, 1, 1, length]``: 0 where a row attends (its positions up to its new one), else min."""
+        valid = torch.arange(length)[None, :] <= lengths[:, None]
+        mask = torch.zeros((len(lengths), 1, 1, length), dtype=self._pool.layout.dtype)
+        mask.masked_fill_(~valid[:, None, None, :], self._mask_value)
+        return mask
+
+    def _cache(self, num_rows: int, write: torch.Tensor, lengths: torch.Tensor, length: int) -> StepCache:
+        pool, context = self._pool, self._context
+        return StepCache(
+            [
+                StepLayer(
+                    pool.keys[i],
+                    pool.values[i],
+                    context.keys[i][:num_rows],
+                    context.values[i][:num_rows],
+                    write,
+                    lengths,
+                    length,
+                )
+                for i in range(pool.layout.num_layers)
+            ]
+        )
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[DecodeSequence]) -> list[int]:
+        greedy = logits.max(dim=-1).indices.tolist()  # the first maximum, as argmax; faster on CPU
+        return [
+            int(greedy[i]) if seq.params.is_greedy else sample(logits[i], seq.params, step=seq.num_generated)
+            for i, seq in enumerate(rows)
+        ]

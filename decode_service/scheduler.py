@@ -1,0 +1,104 @@
+"""Which requests a decode step runs, and what becomes of them after it.
+
+Lifecycle of a request in the scheduler:
+1. ``add``: it waits, first come first served;
+2. ``schedule`` admits it once the running set has room (``max_running``) and the pool can reserve
+   every block it may need (prompt + max_tokens - 1 positions): its KV is copied into its own
+   blocks and it joins the running set. A full pool makes it wait, not fail; one complete at its
+   first token is answered there without running; a cancelled one is dropped;
+3. ``absorb`` takes a step's sampled token of each running request, hands it to the request at
+   once and ends the request when ``finish_reason`` says so;
+4. it leaves the running set, freeing its blocks (``_leave``, the only place that frees them), the
+   step it finishes, the step after it is cancelled, or when it fails (``fail``, ``abandon``).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Collection
+
+from decode_service.kv_pool import KvPool
+from decode_service.runner import StepOutput
+from decode_service.sequence import DecodeSequence, Emission, deliver
+from pdserve.core.finish import finish_reason
+
+
+class Scheduler:
+    def __init__(self, pool: KvPool, max_running: int, eos_token_ids: Collection[int]) -> None:
+        if max_running < 1:
+            raise ValueError(f"a scheduler needs room to run, got max_running={max_running}")
+        self._pool = pool
+        self._max_running = max_running
+        self._eos_token_ids = eos_token_ids
+        self.waiting: collections.deque[DecodeSequence] = collections.deque()
+        self.running: list[DecodeSequence] = []
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def add(self, seq: DecodeSequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[DecodeSequence]:
+        """Admits the waiting requests that fit and drops the cancelled running ones; returns the
+        rows of the next step (none: nothing to run)."""
+        self._admit()
+        for seq in [s for s in self.running if s.cancelled.is_set()]:
+            self._leave(seq)
+        return list(self.running)
+
+    def absorb(self, output: StepOutput) -> None:
+        """Hands each row its token from the step; the rows that finished leave."""
+        self.running = list(output.rows)  # in the order the step ran them, as the batch context holds them
+        emissions = []
+        for seq, token_id in zip(output.rows, output.token_ids, strict=True):
+            seq.append_token(token_id)
+            reason = finish_reason(token_id, seq.num_generated, seq.params, self._eos_token_ids)
+            emissions.append(Emission(seq, (token_id,), reason))
+            if reason is not None:
+                self._leave(seq)
+        deliver(emissions)
+
+    def fail(self, error: BaseException) -> None:
+        """Ends every running request with ``error`` (their step failed)."""
+        running = list(self.running)
+        for seq in running:
+            self._leave(seq)
+        deliver([Emission(seq, error=error) for seq in running])
+
+    def abandon(self, error: BaseException) -> None:
+        """Ends every request held, running or waiting, with ``error``."""
+        held = [*self.running, *self.waiting]
+        for seq in list(self.running):
+            self._leave(seq)
+        self.waiting.clear()
+        deliver([Emission(seq, error=error) for seq in held])
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self._max_running:
+            seq = self.waiting[0]
+            if seq.cancelled.is_set():
+                self.waiting.popleft()
+                continue
+            reason = finish_reason(seq.first_token_id, 1, seq.params, self._eos_token_ids)
+            if reason is not None:
+                self.waiting.popleft()
+                deliver([Emission(seq, finish_reason=reason)])
+                continue
+            if not self._pool.can_allocate(seq.max_cached_tokens()):
+                return  # first come, first served: wait until running requests free blocks
+            self.waiting.popleft()
+            self._join(seq)
+
+    def _join(self, seq: DecodeSequence) -> None:
+        """Reserves every block ``seq`` may need and copies its received KV into them."""
+        seq.blocks = self._pool.allocate(seq.max_cached_tokens())
+        seq.num_cached = self._pool.write(seq.blocks, seq.kv)
+        seq.kv = ()
+        self.running.append(seq)
+
+    def _leave(self, seq: DecodeSequence) -> None:
+        self.running.remove(seq)
+        self._pool.free(seq.blocks)
+        seq.blocks = []
