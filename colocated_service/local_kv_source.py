@@ -4,8 +4,8 @@ prefill's registry and its buffer used in place. No transfer, no pair."""
 from __future__ import annotations
 
 import grpc
-import torch
 
+from decode_service.kv_source import PulledKv
 from decode_service.metrics import DecodeMetrics
 from pdserve.kv.handle import HandleCheck
 from pdserve.kv.layout import KvLayout, unpack
@@ -30,7 +30,7 @@ class LocalKvSource:
         self._metrics = metrics
         self._prefill_metrics = prefill_metrics
 
-    async def pull(self, handle: kv_pb2.KvHandle) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    async def take(self, handle: kv_pb2.KvHandle) -> PulledKv:
         problem = self._compatibility.problem(handle)
         if problem is not None:
             self._metrics.kv_refused.inc()
@@ -41,7 +41,7 @@ class LocalKvSource:
             raise RpcError(grpc.StatusCode.NOT_FOUND, "KV handle is unknown, expired or already pulled")
         self._prefill_metrics.kv_pulls.inc()
         self._metrics.kv_pulls.inc()
-        return unpack(entry.buffer, self._layout, entry.num_tokens)
+        return PulledKv(unpack(entry.buffer, self._layout, entry.num_tokens), release=entry.free)
 
     async def close(self) -> None:
         return None

@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from decode_service.kv_source import Layers, PulledKv
 from decode_service.local_link import LocalLink
 from decode_service.metrics import DecodeMetrics
 from decode_service.pair_link import PairLink, ReceiveCounter, Received
@@ -43,21 +44,9 @@ from pdserve.v1 import kv_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-Layers = list[tuple[torch.Tensor, torch.Tensor]]
-
 
 def _nothing() -> None:
     return None
-
-
-@dataclass(frozen=True)
-class PulledKv:
-    layers: Layers
-    control_s: float  # handle check, pull call, receive posted (or KV opened in place)
-    data_s: float  # receive posted -> every byte in (0 when read in place)
-    transport: str = ""
-    # Call once the KV has been copied: a KV read in place goes back to its prefill.
-    release: Callable[[], None] = field(default=_nothing, compare=False)
 
 
 @dataclass(frozen=True)
@@ -155,6 +144,11 @@ class KvPuller:
             return [(k.clone(), v.clone()) for k, v in pulled.layers]
         finally:
             pulled.release()
+
+    async def take(self, handle: kv_pb2.KvHandle) -> PulledKv:
+        """The handle's KV, read in place when it lies in this host's memory (``release`` gives it
+        back once copied)."""
+        return await self.pull_timed(handle)
 
     async def pull_timed(self, handle: kv_pb2.KvHandle) -> PulledKv:
         """The handle's KV, with the time spent in control and in data; a KV read in place must be

@@ -72,6 +72,8 @@ class Scheduler:
         held = [*self.running, *self.waiting]
         for seq in list(self.running):
             self._leave(seq)
+        for seq in self.waiting:
+            seq.drop_kv()
         self.waiting.clear()
         deliver([Emission(seq, error=error) for seq in held])
 
@@ -79,11 +81,11 @@ class Scheduler:
         while self.waiting and len(self.running) < self._max_running:
             seq = self.waiting[0]
             if seq.cancelled.is_set():
-                self.waiting.popleft()
+                self.waiting.popleft().drop_kv()
                 continue
             reason = finish_reason(seq.first_token_id, 1, seq.params, self._eos_token_ids)
             if reason is not None:
-                self.waiting.popleft()
+                self.waiting.popleft().drop_kv()
                 deliver([Emission(seq, finish_reason=reason)])
                 continue
             if not self._pool.can_allocate(seq.max_cached_tokens()):
@@ -95,7 +97,7 @@ class Scheduler:
         """Reserves every block ``seq`` may need and copies its received KV into them."""
         seq.blocks = self._pool.allocate(seq.max_cached_tokens())
         seq.num_cached = self._pool.write(seq.blocks, seq.kv)
-        seq.kv = ()
+        seq.drop_kv()
         self.running.append(seq)
 
     def _leave(self, seq: DecodeSequence) -> None:

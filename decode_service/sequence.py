@@ -41,9 +41,17 @@ class DecodeSequence:
     # The event loop ``emit`` runs on: a step's tokens for every sequence of one loop reach it in
     # one wake-up, not one per sequence.
     loop: asyncio.AbstractEventLoop | None = None
+    # Gives the pulled KV's memory back once it is copied (a KV lent by a prefill of this host).
+    release_kv: Callable[[], None] = field(default=lambda: None, repr=False)
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def drop_kv(self) -> None:
+        """The pulled KV is no longer needed (copied into the pool, or the request ended first)."""
+        self.kv = ()
+        release, self.release_kv = self.release_kv, lambda: None
+        release()
 
     @property
     def num_prompt_tokens(self) -> int:

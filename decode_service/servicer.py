@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-import torch
 
 from decode_service.engine import DecodeEngine
-from decode_service.kv_source import KvSource
+from decode_service.kv_source import KvSource, PulledKv
 from decode_service.metrics import DecodeMetrics
 from decode_service.sequence import DecodeSequence, Emission
 from pdserve.core.sampling import SamplingParams
@@ -31,8 +30,6 @@ from pdserve.rpc.update_stream import UpdateStream, serve_many, serve_one
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-_Kv = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
 def engine_error(error: BaseException) -> RpcError:
@@ -62,7 +59,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def _run(self, tag: int, request: decode_pb2.DecodeRequest, stream: UpdateStream) -> None:
         """One request of a call, until its last update; cancelling this cancels it."""
-        params, kv = await self._prepare(request)
+        params, pulled = await self._prepare(request)
         ended = asyncio.get_running_loop().create_future()
 
         def emit(emission: Emission) -> None:
@@ -75,7 +72,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 ended.set_result(None)
 
         seq = DecodeSequence(
-            request.request_id, kv, request.first_token_id, params, emit, loop=asyncio.get_running_loop()
+            request.request_id,
+            pulled.layers,
+            request.first_token_id,
+            params,
+            emit,
+            loop=asyncio.get_running_loop(),
+            release_kv=pulled.release,
         )
         self._engine.submit(seq)
         try:
@@ -83,7 +86,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finally:
             seq.cancel()
 
-    async def _prepare(self, request: decode_pb2.DecodeRequest) -> tuple[SamplingParams, _Kv]:
+    async def _prepare(self, request: decode_pb2.DecodeRequest) -> tuple[SamplingParams, PulledKv]:
         """Validates a request and pulls its KV; raises RpcError with the status to answer."""
         self._metrics.requests.inc()
         try:
@@ -101,8 +104,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 f"the request needs {needed} KV positions, more than this decode's whole pool",
             )
         try:
-            kv = await self._kv_source.pull(request.kv_handle)
+            pulled = await self._kv_source.take(request.kv_handle)
         except RpcError as exc:
             logger.warning("request %s: %s", request.request_id, exc.message)
             raise
-        return params, kv
+        return params, pulled
