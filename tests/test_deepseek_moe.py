@@ -19,8 +19,10 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, batched_mm_expe
 from pdserve.model.deepseek_moe import DeepseekMoeConfig, DeepseekMoeForCausalLM
 from pdserve.model.deepseek_moe.random_checkpoint import (
     INDEX_FILE,
+    SEED,
     build_shape_preset,
     checkpoint_shapes,
+    draw_tensor,
     write_random_checkpoint,
 )
 from pdserve.model.presets.tiny import tiny_config
@@ -350,7 +352,7 @@ def test_16b_shape_preset_has_the_published_shapes() -> None:
 def test_random_checkpoint_writer_makes_a_loadable_sharded_checkpoint(tmp_path: Path) -> None:
     shape = {k: v for k, v in CHECKPOINTS["16b-semantics"].items() if not k.startswith("rope")}
     config = DeepseekMoeConfig(vocab_size=VOCAB, **shape)
-    written = write_random_checkpoint(config, tmp_path, shard_bytes=40_000, device="cpu")
+    written = write_random_checkpoint(config, tmp_path, shard_bytes=40_000, workers=2)
     config.save_pretrained(str(tmp_path))
     index = json.loads((tmp_path / INDEX_FILE).read_text())
     assert len(set(index["weight_map"].values())) > 1
@@ -362,6 +364,25 @@ def test_random_checkpoint_writer_makes_a_loadable_sharded_checkpoint(tmp_path: 
     assert written == sum(p.numel() for p in model.parameters())
     assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))
     assert 0.01 < float(model.model.layers[1].mlp.experts.gate_up_proj.detach().float().std()) < 0.03
+
+
+def test_random_weights_do_not_depend_on_shards_threads_or_device(tmp_path: Path) -> None:
+    """Each tensor is drawn on the CPU from its own generator: the same weights however they are written."""
+    shape = {k: v for k, v in CHECKPOINTS["16b-semantics"].items() if not k.startswith("rope")}
+    config = DeepseekMoeConfig(vocab_size=VOCAB, **shape)
+    written = []
+    for name, shard_bytes, workers in (("a", 40_000, 1), ("b", 1 << 30, 3)):
+        (tmp_path / name).mkdir()
+        write_random_checkpoint(config, tmp_path / name, shard_bytes=shard_bytes, workers=workers)
+        tensors: dict[str, torch.Tensor] = {}
+        for file in sorted((tmp_path / name).glob("*.safetensors")):
+            tensors.update(load_file(str(file)))
+        written.append(tensors)
+    assert written[0].keys() == written[1].keys()
+    assert all(torch.equal(written[0][k], written[1][k]) for k in written[0])
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    again = draw_tensor(name, tuple(written[0][name].shape), SEED, config.initializer_range, torch.bfloat16)
+    assert torch.equal(again, written[0][name])
 
 
 def test_shape_preset_builder_writes_a_servable_directory(tmp_path: Path) -> None:

@@ -125,16 +125,17 @@ def test_full_stack_over_nccl(cache_dir: Path, tmp_path: Path) -> None:
 def test_expert_parallel_path_on_cuda_tensors(cache_dir: Path) -> None:
     """The sharded experts, dispatch and lockstep on CUDA tensors, in a group of one rank (NCCL
     refuses two ranks on one GPU): every buffer on the device, logits equal to the plain model's."""
-    import copy
 
     import torch.distributed as dist
 
-    from pdserve.expert_parallel.rank_model import expert_parallel_model
+    from pdserve.expert_parallel.rank_model import ExpertSharding, expert_parallel_model
 
-    m = load_engine_model(
-        EngineConfig(model="tiny-deepseek-moe", device="cuda:0", dtype="float32", cache_dir=str(cache_dir))
+    config = EngineConfig(
+        model="tiny-deepseek-moe", device="cuda:0", dtype="float32", cache_dir=str(cache_dir)
     )
-    reference = copy.deepcopy(m.model)
+    reference = load_engine_model(config).model
+    sharding = ExpertSharding(0, 1)
+    m = load_engine_model(config, sharding)
     ids = torch.randint(3, m.limits.vocab_size, (3, 11), device=m.device)
     with torch.inference_mode():
         want = reference(input_ids=ids).logits
@@ -142,7 +143,7 @@ def test_expert_parallel_path_on_cuda_tensors(cache_dir: Path) -> None:
     store = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=60))
     dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=0, world_size=1, device_id=m.device)
     try:
-        rank_model = expert_parallel_model(m, 0, 1)
+        rank_model = expert_parallel_model(m, sharding)
         rank_model.lockstep.start()
         got = rank_model.engine_model.forward(input_ids=ids).logits
         assert got.device == m.device

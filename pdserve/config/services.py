@@ -24,6 +24,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 BACKENDS = ("auto", "gloo", "nccl", "shm", "cuda-ipc")
 GPU_BACKENDS = ("nccl", "cuda-ipc")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+EP_DISPATCHES = ("auto", "deepep-normal", "all-to-all")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,13 @@ class EngineConfig:
     ep_timeout_s: float = field(
         default=30.0, metadata={"help": "bound on every wait of the expert-parallel group"}
     )
+    ep_dispatch: str = field(
+        default="auto",
+        metadata={
+            "help": "expert-parallel dispatch on CUDA: auto (DeepEP when it passes its start-up checks, "
+            "low-latency kernels for decode steps), deepep-normal (DeepEP's normal kernels only), all-to-all"
+        },
+    )
     ep_rank: int = field(default=0, metadata={"help": "this process's rank (set by rank 0 for the others)"})
     ep_master: str = field(
         default="", metadata={"help": "HOST:PORT of rank 0's group store (set by rank 0 for the others)"}
@@ -73,6 +81,7 @@ class EngineConfig:
         check_at_least("max_model_len", self.max_model_len, 0)
         check_at_least("ep", self.ep, 1)
         check_positive("ep_timeout_s", self.ep_timeout_s)
+        check_choice("ep_dispatch", self.ep_dispatch, EP_DISPATCHES)
         if not 0 <= self.ep_rank < self.ep:
             raise ValueError(f"ep_rank must be in [0, ep) = [0, {self.ep}), got {self.ep_rank}")
         if self.ep_rank > 0 and not self.ep_master:

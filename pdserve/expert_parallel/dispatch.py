@@ -35,11 +35,24 @@ class DispatchStats:
     idle_experts: int = 0  # a local expert that received no token in one MoE layer call
     idle_ranks: int = 0  # this rank received no token at all in one MoE layer call
 
+    def count(self, per_expert: list[int]) -> None:
+        """One MoE layer call in which the local experts received ``per_expert`` rows."""
+        self.calls += 1
+        self.idle_experts += sum(1 for n in per_expert if n == 0)
+        if not any(per_expert):
+            self.idle_ranks += 1
+
 
 class LocalExperts(Protocol):
     """The slice of one MoE layer's experts that a rank holds."""
 
-    def run_expert(self, local_expert: int, hidden_states: torch.Tensor) -> torch.Tensor: ...
+    def run_expert(self, local_expert: int, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Local expert ``local_expert`` on ``hidden_states [N, H]``."""
+        ...
+
+    def run_all(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Every local expert ``e`` on ``hidden_states[e]``: ``[E_local, N, H]`` in, same shape out."""
+        ...
 
 
 class Dispatch(Protocol):

@@ -34,6 +34,11 @@ class ShardedExperts:
         gate_up = F.linear(hidden_states, m.gate_up_proj[local_expert])
         return F.linear(m._apply_gate(gate_up), m.down_proj[local_expert])
 
+    def run_all(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        m: Any = self._module
+        gate_up = torch.bmm(hidden_states, m.gate_up_proj.transpose(1, 2))
+        return torch.bmm(m._apply_gate(gate_up), m.down_proj.transpose(1, 2))
+
 
 def expert_parallel_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

@@ -1,9 +1,15 @@
 """Runs a prefill, decode or colocated service as an expert-parallel group of ``--ep`` ranks.
 
-Every rank loads the model, keeps its own experts, builds the service's real parts (engines,
-registry, puller...) and serves them on an internal gRPC server of its own; its forwards run in
-lockstep with the other ranks. Rank 0 also serves the public address: health, reflection and the
-routers that hand each call to a rank (``rank_router``). Its ready line lists every rank.
+Every rank loads the model on the CPU, keeps its own experts, moves them to its device, builds the
+service's real parts (engines, registry, puller...) and serves them on an internal gRPC server of
+its own; its forwards run in lockstep with the other ranks. Rank 0 also serves the public address:
+health, reflection and the routers that hand each call to a rank (``rank_router``). Its ready line
+lists every rank and the dispatch kernels the group runs (``ep_dispatch``).
+
+Once the process group has formed and before the lockstep starts, the ranks choose their dispatch
+together (``expert_parallel.deepep_setup``): DeepEP's kernels when they import, fit the group and
+pass a start-up round trip, the all-to-all otherwise. A DeepEP start-up error ends every rank with
+exit status 2 before the group reports ready.
 
 With ``--compile`` every rank warms up its engines once the lockstep runs, before rank 0 announces
 ready (it waits for every rank's mark). Each warm-up forward is one of the rank's forwards at a
@@ -13,9 +19,15 @@ step whatever each of them runs.
 Ends:
 - SIGTERM/SIGINT on rank 0: the public server drains (calls in flight, on any rank, finish), then
   the lockstep stops on every rank, and every process exits 0;
-- a rank dies or a group wait times out: the lockstep breaks on the others within the bound; every
-  forward waiting or to come fails (their calls end with UNAVAILABLE), rank 0 reports NOT_SERVING
-  for the grace period, and every process exits 1 so its supervisor starts the group again.
+- a rank dies or a group wait times out: the lockstep breaks on the others once their wait gives up;
+  every forward waiting or to come fails (their calls end with UNAVAILABLE), rank 0 reports
+  NOT_SERVING for the grace period, and every process exits 1 so its supervisor starts the group
+  again. A rank lost between ticks is noticed at the next tick's gloo exchange (at once, or within
+  ``--ep-timeout-s``). One lost in the middle of a forward leaves the others inside that forward's
+  exchanges: gloo and NCCL give up after ``--ep-timeout-s`` (what NCCL's watchdog then does is set
+  by ``TORCH_NCCL_ASYNC_ERROR_HANDLING``); DeepEP's kernels have no run-time timeout and wait up to
+  their compile-time bound, about 100 s (``NUM_TIMEOUT_CYCLES``/``NUM_CPU_TIMEOUT_SECS`` in its
+  ``csrc/kernels/configs.cuh``), then trap, which leaves that process's CUDA context unusable.
 """
 
 from __future__ import annotations
@@ -27,10 +39,13 @@ import os
 import signal
 from typing import Any
 
+import torch
+
+from pdserve.expert_parallel.deepep_setup import DeepEpRequest, DeepEpSetup, DeepEpStartError
 from pdserve.expert_parallel.ep_metrics import register_ep_metrics
 from pdserve.expert_parallel.group import EpGroup
 from pdserve.expert_parallel.lockstep import Lockstep
-from pdserve.expert_parallel.rank_model import expert_parallel_model
+from pdserve.expert_parallel.rank_model import ExpertSharding, RankModel, expert_parallel_model
 from pdserve.hosting.rank_router import DecodeRouter, PrefillRouter, RankChannels
 from pdserve.hosting.service_kind import RankParts, ServiceKind
 from pdserve.model.engine_model import ForwardUnavailable, load_engine_model
@@ -74,13 +89,32 @@ async def _warm_up(parts: RankParts, group: EpGroup, lockstep: Lockstep, stop: a
             await asyncio.sleep(LOCKSTEP_POLL_S)
 
 
+def _choose_dispatch(kind: ServiceKind, config: Any, rank_model: RankModel) -> str:
+    """Every rank at once, before the lockstep starts: DeepEP's kernels or the all-to-all."""
+    engine_model = rank_model.engine_model
+    if engine_model.device.type == "cuda":
+        torch.cuda.set_device(engine_model.device)  # per thread: DeepEP makes its buffers on the current GPU
+    hf_config = engine_model.model.config
+    request = DeepEpRequest(
+        shard=rank_model.shard,
+        hidden=int(hf_config.hidden_size),
+        top_k=int(hf_config.num_experts_per_tok),
+        dtype=engine_model.model.dtype,
+        device=engine_model.device,
+        low_latency_tokens=int(config.max_running) if kind.routes_decode else 0,
+        mode=config.engine.ep_dispatch,
+    )
+    return DeepEpSetup().run(request, rank_model.dispatch)
+
+
 async def _serve_rank(kind: ServiceKind, config: Any, group: EpGroup) -> bool:
     """Serves until the group ends; True when it ended by failure."""
     server_config = config.server
     host = server_config.public_host
-    loaded = await asyncio.to_thread(load_engine_model, config.engine)
+    sharding = ExpertSharding(group.rank, group.size)
     try:
-        rank_model = expert_parallel_model(loaded, group.rank, group.size)
+        loaded = await asyncio.to_thread(load_engine_model, config.engine, sharding)
+        rank_model = expert_parallel_model(loaded, sharding)
     except ValueError as exc:  # the model cannot be split this way: a usage error, not a crash
         logger.error("pdserve %s --ep %d: %s", kind.command, group.size, exc)
         raise SystemExit(2) from None
@@ -114,6 +148,11 @@ async def _serve_rank(kind: ServiceKind, config: Any, group: EpGroup) -> bool:
         else:
             await asyncio.to_thread(group.wait_for_go)
         await asyncio.to_thread(group.form, rank_model.engine_model.device)
+        try:
+            kernels = await asyncio.to_thread(_choose_dispatch, kind, config, rank_model)
+        except DeepEpStartError as exc:
+            logger.error("pdserve %s --ep %d: %s", kind.command, group.size, exc)
+            raise SystemExit(2) from None
         lockstep.start()
         logger.info("expert-parallel rank %d of %d in step", group.rank, group.size)
         if rank_model.engine_model.compiled:
@@ -129,7 +168,7 @@ async def _serve_rank(kind: ServiceKind, config: Any, group: EpGroup) -> bool:
                 )
             await public.start()
             own = {k: v for k, v in info.items() if k not in ("rank", "pid", "grpc")}
-            announce_ready(kind.command, grpc=public.address, **own, ranks=infos)
+            announce_ready(kind.command, grpc=public.address, **own, ep_dispatch=kernels, ranks=infos)
         while not stop.is_set() and not lockstep.ended.is_set():
             await asyncio.sleep(LOCKSTEP_POLL_S)
         failed = False

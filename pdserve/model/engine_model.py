@@ -117,7 +117,10 @@ def compile_forward(model: Any, device: torch.device) -> Any:
     return torch.compile(model, dynamic=True, options={"cpp_wrapper": device.type == "cpu"})
 
 
-def load_engine_model(config: EngineConfig) -> EngineModel:
+def load_engine_model(config: EngineConfig, before_move: Callable[[Any], None] | None = None) -> EngineModel:
+    """The model of ``config`` on its device. ``before_move`` (an expert-parallel rank keeping its own
+    experts) runs on the CPU copy, after the fingerprint and the KV layout are taken from the whole
+    model, so that the device never holds what it drops."""
     device = torch.device(config.rank_device)
     if device.type == "cpu":
         torch.set_num_threads(config.threads)
@@ -127,9 +130,16 @@ def load_engine_model(config: EngineConfig) -> EngineModel:
     hf_config = AutoConfig.from_pretrained(model_dir)
     dtype = resolve_dtype(config.dtype, device, hf_config)
     logger.info("loading %s (%s) on %s as %s", config.model, model_dir, device, dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     # Sampled while the weights are contiguous: flattening an input-major weight would copy it whole.
     model_fingerprint = fingerprint(model, dtype)
+    if before_move is None:
+        model = model.to(device)
+        kv_layout = measure_kv_layout(model, device)
+    else:
+        kv_layout = measure_kv_layout(model, torch.device("cpu"))
+        before_move(model)
+        model = model.to(device)
     if prefers_input_major(device, dtype):
         logger.info("%d linear weights stored input-major", store_linear_weights_input_major(model))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -140,6 +150,6 @@ def load_engine_model(config: EngineConfig) -> EngineModel:
         limits=limits,
         device=device,
         fingerprint=model_fingerprint,
-        kv_layout=measure_kv_layout(model, device),
+        kv_layout=kv_layout,
         forward_module=compile_forward(model, device) if config.compile else None,
     )

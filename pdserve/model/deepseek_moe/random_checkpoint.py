@@ -1,17 +1,23 @@
 """Random-weight DeepSeekMoE checkpoints of any size, written tensor by tensor in the checkpoint layout.
 
 A model of DeepSeekMoE-16B's shapes is never built in memory: the tensor names and shapes come from a
-model on the ``meta`` device, each tensor is drawn (on the GPU when there is one), cast and added to the
-current shard, and a shard is written as soon as it is full, so memory stays near one shard. The files
+model on the ``meta`` device, each tensor is drawn on the CPU from a generator of its own (seeded from
+the preset's seed and the tensor's name), so the weights are the same on every machine whatever its
+GPU, thread count or shard size; the tensors of a shard are drawn on ``workers`` threads (torch's CPU
+generator is sequential), cast and written as soon as the shard is full, so memory stays near one
+shard. The files
 are what a published checkpoint looks like (per-expert weights, sharded safetensors with an index), so
 loading one goes through the same conversion as a real checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Final
 
@@ -24,7 +30,7 @@ from pdserve.model.deepseek_moe.modeling import DeepseekMoeForCausalLM
 
 logger = logging.getLogger(__name__)
 
-BUILDER_VERSION: Final = "v1"
+BUILDER_VERSION: Final = "v2"
 SEED: Final = 2
 SHARD_BYTES: Final = 4 << 30
 INDEX_FILE: Final = "model.safetensors.index.json"
@@ -66,21 +72,29 @@ def _shard_plan(shapes: dict[str, tuple[int, ...]], itemsize: int, shard_bytes: 
     return shards
 
 
+def tensor_seed(seed: int, name: str) -> int:
+    """The seed of tensor ``name``'s own generator: the same for a name wherever it is drawn."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+
+
+def draw_tensor(name: str, shape: tuple[int, ...], seed: int, std: float, dtype: torch.dtype) -> torch.Tensor:
+    """Ones for a vector (norms), else normal(0, ``std``) drawn in float32 on the CPU, then cast."""
+    if len(shape) < 2:
+        return torch.ones(shape, dtype=dtype)
+    generator = torch.Generator().manual_seed(tensor_seed(seed, name))
+    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator).to(dtype)
+
+
 def _draw(
     names: list[str],
     shapes: dict[str, tuple[int, ...]],
-    generator: torch.Generator,
+    seed: int,
     std: float,
     dtype: torch.dtype,
+    pool: ThreadPoolExecutor,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    device = generator.device
-    for name in names:
-        shape = shapes[name]
-        if len(shape) < 2:
-            yield name, torch.ones(shape, dtype=dtype)
-            continue
-        values = torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=generator)
-        yield name, values.to(dtype).cpu()
+    drawn = pool.map(lambda name: draw_tensor(name, shapes[name], seed, std, dtype), names)
+    yield from zip(names, drawn, strict=True)
 
 
 def write_random_checkpoint(
@@ -90,29 +104,28 @@ def write_random_checkpoint(
     seed: int = SEED,
     dtype: torch.dtype = torch.bfloat16,
     shard_bytes: int = SHARD_BYTES,
-    device: str | None = None,
+    workers: int = 0,
 ) -> int:
-    """Write sharded random weights of ``config`` (normal, std ``initializer_range``; norms 1) and the index.
-
-    Returns the number of parameters written.
-    """
+    """Write sharded random weights of ``config`` (normal, std ``initializer_range``; norms 1) and the index,
+    drawn on ``workers`` threads (0: one per CPU). Returns the number of parameters written."""
     if shard_bytes <= 0:
         raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
     shapes = checkpoint_shapes(config)
     itemsize = torch.empty((), dtype=dtype).element_size()
     plan = _shard_plan(shapes, itemsize, shard_bytes)
-    draw_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    generator = torch.Generator(device=draw_device).manual_seed(seed)
+    if workers < 0:
+        raise ValueError(f"workers must be >= 0 (0: one per CPU), got {workers}")
     weight_map: dict[str, str] = {}
     total = 0
-    for i, names in enumerate(plan, start=1):
-        file_name = f"model-{i:05d}-of-{len(plan):05d}.safetensors"
-        shard = dict(_draw(names, shapes, generator, config.initializer_range, dtype))
-        save_file(shard, str(out_dir / file_name), metadata={"format": "pt"})
-        total += sum(t.numel() for t in shard.values())
-        weight_map.update(dict.fromkeys(names, file_name))
-        logger.info("wrote %s (%d tensors)", file_name, len(names))
-        del shard
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        for i, names in enumerate(plan, start=1):
+            file_name = f"model-{i:05d}-of-{len(plan):05d}.safetensors"
+            shard = dict(_draw(names, shapes, seed, config.initializer_range, dtype, pool))
+            save_file(shard, str(out_dir / file_name), metadata={"format": "pt"})
+            total += sum(t.numel() for t in shard.values())
+            weight_map.update(dict.fromkeys(names, file_name))
+            logger.info("wrote %s (%d tensors)", file_name, len(names))
+            del shard
     index = {"metadata": {"total_size": total * itemsize}, "weight_map": weight_map}
     (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return total
