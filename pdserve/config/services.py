@@ -18,6 +18,7 @@ from pdserve.config.checks import (
     check_port,
     check_positive,
 )
+from pdserve.config.ep_ports import check_ep_port_base, ep_port_range
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BACKENDS = ("auto", "gloo", "nccl")
@@ -57,6 +58,13 @@ class EngineConfig:
     ep_master: str = field(
         default="", metadata={"help": "HOST:PORT of rank 0's group store (set by rank 0 for the others)"}
     )
+    ep_port_base: int = field(
+        default=0,
+        metadata={
+            "help": "first of the group's fixed internal ports, 4 per rank from it (0 picks free ports; "
+            "see pdserve/config/ep_ports.py)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -73,6 +81,7 @@ class EngineConfig:
             raise ValueError("ep_master must be set on ranks other than 0")
         if self.ep_master:
             check_address("ep_master", self.ep_master)
+        check_ep_port_base(self.ep_port_base, self.ep)
 
     @property
     def rank_device(self) -> str:
@@ -149,6 +158,19 @@ class EngineService:
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
 
+    def check_ep_ports(self, *ports: int) -> None:
+        """Rank 0's own ports (``ports``: the service's public ones) lie outside the group's block."""
+        engine = self.engine
+        if engine.ep == 1 or not engine.ep_port_base or engine.ep_rank:
+            return
+        block = ep_port_range(engine.ep_port_base, engine.ep)
+        inside = sorted({p for p in (self.server.port, self.server.metrics_port, *ports) if p in block})
+        if inside:
+            raise ValueError(
+                f"ports {inside} lie in the expert-parallel block [{block.start}, {block.stop}) of "
+                f"ep_port_base {engine.ep_port_base}: move the base or the ports"
+            )
+
 
 @dataclass(frozen=True)
 class PrefillSettings:
@@ -192,6 +214,7 @@ class DecodeSettings:
 class PrefillConfig(PrefillSettings, EngineService):
     def __post_init__(self) -> None:
         self.check_prefill()
+        self.check_ep_ports(self.kv_port)
 
     @property
     def batch_tokens(self) -> int:
@@ -203,6 +226,7 @@ class PrefillConfig(PrefillSettings, EngineService):
 class DecodeConfig(DecodeSettings, EngineService):
     def __post_init__(self) -> None:
         self.check_decode()
+        self.check_ep_ports()
 
 
 C = TypeVar("C")
@@ -224,6 +248,7 @@ class ColocatedConfig(DecodeSettings, PrefillSettings, EngineService):
         check_port("prefill_metrics_port", self.prefill_metrics_port)
         self.check_prefill()
         self.check_decode()
+        self.check_ep_ports(self.kv_port, self.prefill_metrics_port)
 
     def prefill_config(self) -> PrefillConfig:
         return _part(PrefillConfig, self, server=replace(self.server, metrics_port=self.prefill_metrics_port))
