@@ -404,8 +404,10 @@ TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S"]
                 "PDSERVE_MAX_MODEL_LEN",
                 "PDSERVE_PREFILL",
                 "PDSERVE_DECODE",
+                "PDSERVE_RESOLVE_INTERVAL_S",
                 "PDSERVE_HTTP_PORT",
                 "PDSERVE_SERVED_MODEL_NAME",
+                "PDSERVE_API_KEY",
             ],
         ),
     ],
@@ -467,6 +469,13 @@ def test_expert_parallel_ports_are_fixed_blocks_outside_the_service_ports() -> N
     with pytest.raises(ValueError, match=r"ports \[29601\] lie in the expert-parallel block"):
         PrefillConfig(engine=EngineConfig(ep=2, ep_port_base=29600), kv_port=29601)
     assert PrefillConfig(engine=EngineConfig(ep=2, ep_port_base=29600), kv_port=29500).kv_port == 29500
+
+
+def test_secret_settings_are_not_shown_in_help() -> None:
+    parser = argparse.ArgumentParser()
+    cli_options.add_arguments(parser, GatewayConfig, env={"PDSERVE_API_KEY": "sk-secret"})
+    assert "sk-secret" not in parser.format_help() and "(set)" in parser.format_help()
+    assert parser.parse_args([]).api_key == "sk-secret"
 
 
 @pytest.mark.parametrize(

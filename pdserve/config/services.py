@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from pdserve.config.checks import (
     check_address,
     check_at_least,
+    check_backend_address,
     check_choice,
     check_device,
     check_non_negative,
@@ -257,6 +258,9 @@ class ColocatedConfig(DecodeSettings, PrefillSettings, EngineService):
         return _part(DecodeConfig, self)
 
 
+HTTP_PORT = 8000
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50051))
@@ -265,13 +269,32 @@ class GatewayConfig:
         default="", metadata={"help": "where presets are built (default ~/.cache/pdserve)"}
     )
     max_model_len: int = field(default=0, metadata={"help": "context limit; 0 takes the model's"})
-    prefill: tuple[str, ...] = field(default=(), metadata={"help": "prefill gRPC addresses (HOST:PORT,...)"})
-    decode: tuple[str, ...] = field(default=(), metadata={"help": "decode gRPC addresses (HOST:PORT,...)"})
+    prefill: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "prefill gRPC addresses: HOST:PORT, or dns:///NAME:PORT for every address of NAME"},
+    )
+    decode: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "decode gRPC addresses: HOST:PORT, or dns:///NAME:PORT for every address of NAME"},
+    )
+    resolve_interval_s: float = field(
+        default=5.0, metadata={"help": "seconds between resolutions of the dns:/// backend names"}
+    )
     http_port: int = field(
-        default=-1, metadata={"help": "OpenAI-compatible HTTP port (-1 turns it off, 0 picks a free one)"}
+        default=HTTP_PORT,
+        metadata={
+            "help": "OpenAI-compatible HTTP port, also serving /metrics (-1 turns it off, 0 picks a free one)"
+        },
     )
     served_model_name: str = field(
         default="", metadata={"help": "model id of the HTTP API (default: the --model value)"}
+    )
+    api_key: str = field(
+        default="",
+        metadata={
+            "help": "HTTP API calls under /v1 must send `Authorization: Bearer KEY` ('' = no key)",
+            "secret": True,
+        },
     )
 
     def __post_init__(self) -> None:
@@ -280,10 +303,11 @@ class GatewayConfig:
         if not self.decode:
             raise ValueError("at least one decode address is required (--decode / PDSERVE_DECODE)")
         for address in self.prefill:
-            check_address("prefill", address)
+            check_backend_address("prefill", address)
         for address in self.decode:
-            check_address("decode", address)
+            check_backend_address("decode", address)
         check_at_least("max_model_len", self.max_model_len, 0)
+        check_positive("resolve_interval_s", self.resolve_interval_s)
         check_port("http_port", self.http_port, off=-1)
 
     @property
