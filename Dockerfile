@@ -49,7 +49,7 @@ ENV PATH=/opt/venv/bin:$PATH \
 VOLUME ["/var/cache/pdserve"]
 USER 10001:10001
 WORKDIR /home/pdserve
-EXPOSE 50051 50061 50062 29500 9400
+EXPOSE 50051 8000 50061 50062 29500 9400
 ENTRYPOINT ["tini", "--"]
 CMD ["pdserve", "--help"]
 
@@ -117,6 +117,6 @@ ENV PATH=/opt/venv/bin:$PATH \
 VOLUME ["/var/cache/pdserve"]
 USER 10001:10001
 WORKDIR /home/pdserve
-EXPOSE 50051 50061 50062 29500 9400
+EXPOSE 50051 8000 50061 50062 29500 9400
 ENTRYPOINT ["tini", "--"]
 CMD ["pdserve", "--help"]

@@ -51,6 +51,11 @@ class DecodeMetrics:
         self.kv_blocks_used = Gauge(
             "pdserve_decode_kv_blocks_used", "KV pool blocks in use", registry=registry
         )
+        self.kv_cache_usage = Gauge(
+            "pdserve_decode_kv_cache_usage_ratio",
+            "Fraction of the KV pool's blocks in use (0..1)",
+            registry=registry,
+        )
         self.kv_pairs = Gauge(
             "pdserve_kv_pairs", "Open (prefill, decode) transfer pairs of this decode", registry=registry
         )

@@ -87,6 +87,7 @@ def build_decode(
         config.kv_block_size,
         engine_model.device,
     )
+    metrics.kv_cache_usage.set_function(lambda: pool.num_used_blocks / pool.num_blocks)
     engine = DecodeEngine(engine_model, metrics, config.max_running, pool)
     engine.start()
     decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(engine, source, metrics), server.server)

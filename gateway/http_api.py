@@ -1,8 +1,10 @@
 """OpenAI-compatible HTTP API of the gateway, over the same request flow as the gRPC API.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed as server-sent events or
-whole), ``GET /v1/models``, ``GET /v1/models/{id}`` and ``GET /health``. A client that disconnects
-cancels its request, and with it decode; KV not yet pulled is released on the prefill.
+whole), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` and ``GET /metrics`` (the
+gateway's Prometheus registry, as on ``--metrics-port``). A client that disconnects cancels its
+request, and with it decode; KV not yet pulled is released on the prefill. With an API key, calls
+under ``/v1`` need it (``gateway.api_key``).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
+from gateway.api_key import ApiKeyGate
 from gateway.http_responses import SseResponse, unless_disconnected
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import (
@@ -70,12 +74,14 @@ class OpenAIApi:
         tokenizer: Any,
         limits: ModelLimits,
         model_id: str,
+        api_key: str = "",
     ) -> None:
         self._flow = flow
         self._metrics = metrics
         self._chat = ChatPrompt(tokenizer)
         self._limits = limits
         self._model_id = model_id
+        self._api_key = api_key
         self._created = int(time.time())
         self.draining = False
 
@@ -89,6 +95,9 @@ class OpenAIApi:
         app.add_api_route("/v1/models", self.models, methods=["GET"], response_model=None)
         app.add_api_route("/v1/models/{model:path}", self.model, methods=["GET"], response_model=None)
         app.add_api_route("/health", self.health, methods=["GET"], response_model=None)
+        app.add_api_route("/metrics", self.metrics, methods=["GET"], response_model=None)
+        if self._api_key:
+            app.add_middleware(ApiKeyGate, key=self._api_key)
         return app
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
@@ -119,6 +128,9 @@ class OpenAIApi:
 
     async def health(self) -> Response:
         return Response(status_code=503 if self.draining else 200)
+
+    async def metrics(self) -> Response:
+        return Response(generate_latest(self._metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def _card(self) -> ModelCard:
         return ModelCard(id=self._model_id, created=self._created, max_model_len=self._limits.max_model_len)

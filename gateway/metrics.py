@@ -1,15 +1,19 @@
-"""Prometheus metrics of the gateway (its own registry, served on --metrics-port)."""
+"""Prometheus metrics of the gateway (its own registry, served on --metrics-port and at /metrics of
+the HTTP port): its own counters, and the vLLM-shaped request metrics (``gateway.request_metrics``)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from gateway.request_metrics import RequestMetrics
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int) -> None:
         self.registry = registry
+        self.request = RequestMetrics(registry, model_name, max_model_len)
         self.requests = Counter("pdserve_gateway_requests", "Generate calls received", registry=registry)
         self.finished = Counter(
             "pdserve_gateway_finished", "Requests finished, by reason", ["reason"], registry=registry
@@ -37,6 +41,18 @@ class GatewayMetrics:
         self.backends_serving = Gauge(
             "pdserve_gateway_backends_serving",
             "Backends whose health check says SERVING",
+            ["role"],
+            registry=registry,
+        )
+        self.backends = Gauge(
+            "pdserve_gateway_backends",
+            "Backends requests are routed to (serving or not), from fixed addresses and DNS names",
+            ["role"],
+            registry=registry,
+        )
+        self.backends_retired = Gauge(
+            "pdserve_gateway_backends_retired",
+            "Backends gone from DNS whose requests still run there (closed once those end)",
             ["role"],
             registry=registry,
         )

@@ -10,6 +10,8 @@
    that the decode's KV pull is not queued behind the gateway's writes to its clients;
 6. a stop string ends the stream and cancels decode; if the request ends in any way before decode
    has pulled the KV (client cancel, error, stop), the KV is released on the prefill.
+Its request-level metrics (``gateway.request_metrics``) are observed along the way. A prefill
+holding a request's parked KV stays open until the request ends, even when DNS no longer lists it.
 
 Failures. An attempt fails when its call ends with UNAVAILABLE, DEADLINE_EXCEEDED or ABORTED, or
 when its backend stops answering health checks (the call is then cancelled). Up to MAX_ATTEMPTS
@@ -30,7 +32,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -41,6 +43,7 @@ from gateway.backends import Backend, BackendPool
 from gateway.decode_mux import DecodeFailure, DecodeMux, MuxedRequest
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_input import PromptInput
+from gateway.request_metrics import RequestTimer
 from gateway.text_stream import TextChunk, TextStream
 from pdserve.core.finish import STOP
 from pdserve.core.sampling import SamplingParams
@@ -112,11 +115,30 @@ class RequestFlow:
         self._muxes: dict[DecodeBackend, DecodeMux] = {}
         for stage in ("prefill", "decode"):
             metrics.retries.labels(stage)  # exported at 0 from the start
-        metrics.backends_serving.labels("prefill").set_function(lambda: prefills.num_serving)
-        metrics.backends_serving.labels("decode").set_function(lambda: decodes.num_serving)
+        for role, pool in (("prefill", prefills), ("decode", decodes)):
+            metrics.backends_serving.labels(role).set_function(pool_size(pool, serving=True))
+            metrics.backends.labels(role).set_function(pool_size(pool))
+            metrics.backends_retired.labels(role).set_function(pool_size(pool, retired=True))
+        decodes.on_closed(self._forget_decode)
 
     async def generate(
         self, request: gateway_pb2.GenerateRequest, params: SamplingParams
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        timer = self._metrics.request.timer()
+        try:
+            async for response in self._generate(request, params, timer):
+                timer.sent(len(response.token_ids))
+                if response.finish_reason:
+                    timer.finished(response.finish_reason)
+                yield response
+        except ValueError:
+            timer.rejected()
+            raise
+        finally:
+            timer.aborted()
+
+    async def _generate(
+        self, request: gateway_pb2.GenerateRequest, params: SamplingParams, timer: RequestTimer
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         request_id = request.request_id or secrets.token_hex(8)
         prompt_ids = self._prompts.token_ids(request, params)
@@ -129,9 +151,10 @@ class RequestFlow:
             request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling
         )
 
-        prefill, first = await self._prefill(prefill_request, avoid=(), delivered=0)
+        prefill, first, sent_at = await self._prefill(prefill_request, timer, avoid=(), delivered=0)
         self._metrics.ttft_seconds.observe(time.perf_counter() - started)
-        parked = _Parked(prefill, first.kv_handle) if first.HasField("kv_handle") else None
+        timer.prefilled(sent_at, first.queue_seconds, len(prompt_ids))
+        parked = _park(prefill, first.kv_handle) if first.HasField("kv_handle") else None
         sent: tuple[DecodeBackend, MuxedRequest] | None = None  # sent to a decode, not yet read
         try:
             chunk = text.add([first.first_token_id])
@@ -175,19 +198,23 @@ class RequestFlow:
                     if failure.code != grpc.StatusCode.ABORTED:
                         failed_decodes.append(decode)
                     avoid = [failed_prefill] if failure.code == grpc.StatusCode.ABORTED else []
-                    prefill, again = await self._prefill(prefill_request, avoid, delivered=text.num_tokens)
+                    prefill, again, _ = await self._prefill(
+                        prefill_request, timer, avoid, delivered=text.num_tokens
+                    )
                     if not again.HasField("kv_handle"):
                         raise RpcError(
                             grpc.StatusCode.UNAVAILABLE,
                             f"{failure}; the request could not be resumed (the new prefill parked no KV) "
                             f"after {text.num_tokens} tokens were delivered",
                         ) from None
-                    parked = _Parked(prefill, again.kv_handle)
+                    parked = _park(prefill, again.kv_handle)
         finally:
             if sent is not None:  # the client went away before decode was read
                 _end(*sent)
             if parked is not None and not parked.pulled:
                 self._release_later(parked)
+            elif parked is not None:
+                parked.prefill.holds -= 1
 
     async def _pick(self, pool: BackendPool[T], avoid: Collection[Backend[T]], delivered: int) -> Backend[T]:
         try:
@@ -198,15 +225,22 @@ class RequestFlow:
             raise
 
     async def _prefill(
-        self, request: prefill_pb2.PrefillRequest, avoid: Collection[PrefillBackend], delivered: int
-    ) -> tuple[PrefillBackend, prefill_pb2.PrefillResponse]:
+        self,
+        request: prefill_pb2.PrefillRequest,
+        timer: RequestTimer,
+        avoid: Collection[PrefillBackend],
+        delivered: int,
+    ) -> tuple[PrefillBackend, prefill_pb2.PrefillResponse, float]:
+        """The prefill that answered, its answer and when the call was sent (``timer``'s clock)."""
         failed = list(avoid)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             prefill = await self._pick(self._prefills, failed, delivered)
             prefill.outstanding += 1
+            sent_at = timer.now()
             call = prefill.stub.Prefill(request)
             try:
-                return prefill, await _guarded(prefill.health, call, call, f"prefill {prefill.address}")
+                response = await _guarded(prefill.health, call, call, f"prefill {prefill.address}")
+                return prefill, response, sent_at
             except grpc.aio.AioRpcError as exc:
                 prefill.health.call_failed(exc.code(), exc.details() or "")
                 failure = _AttemptFailed(exc.code(), f"prefill {prefill.address}", exc.details() or "")
@@ -280,19 +314,30 @@ class RequestFlow:
         return mux
 
     def _release_later(self, parked: _Parked) -> None:
-        stub, handle = parked.prefill.stub, parked.handle
+        prefill, handle = parked.prefill, parked.handle
 
         async def release() -> None:
             try:
-                response = await stub.ReleaseKv(
+                response = await prefill.stub.ReleaseKv(
                     prefill_pb2.ReleaseKvRequest(handle_id=handle.id), timeout=RELEASE_TIMEOUT_S
                 )
                 if response.released:
                     self._metrics.kv_releases.inc()
             except grpc.aio.AioRpcError as exc:
                 logger.warning("release of %s failed: %s", describe(handle), exc.details())
+            finally:
+                prefill.holds -= 1
 
-        task = asyncio.get_running_loop().create_task(release())
+        self._in_background(release())
+
+    def _forget_decode(self, decode: DecodeBackend) -> None:
+        """A decode that left the pool is closed: its mux (no request left on it) goes too."""
+        mux = self._muxes.pop(decode, None)
+        if mux is not None:
+            self._in_background(mux.close())
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -300,6 +345,21 @@ class RequestFlow:
         await asyncio.gather(*(mux.close() for mux in self._muxes.values()))
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def pool_size(pool: BackendPool[Any], serving: bool = False, retired: bool = False) -> Callable[[], int]:
+    """A gauge's function: the pool's backends (only those serving), or its retired ones."""
+    if retired:
+        return lambda: len(pool.retired)
+    if serving:
+        return lambda: pool.num_serving
+    return lambda: len(pool.backends)
+
+
+def _park(prefill: PrefillBackend, handle: kv_pb2.KvHandle) -> _Parked:
+    """A request's KV parked on ``prefill``: the prefill is held until the KV is pulled or released."""
+    prefill.holds += 1
+    return _Parked(prefill, handle)
 
 
 def _end(decode: DecodeBackend, muxed: MuxedRequest) -> None:

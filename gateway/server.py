@@ -1,4 +1,7 @@
-"""Starts the gateway: tokenizer and limits of the model, backend pools, gRPC, HTTP and metrics servers."""
+"""Starts the gateway: tokenizer and limits of the model, backend pools (and the discovery of their
+``dns:///`` names), gRPC, HTTP and metrics servers.
+
+A port it cannot bind ends it at start with one error line (exit 1), nothing else started."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from transformers import AutoConfig, AutoTokenizer
 
 from gateway.backends import decode_pool, prefill_pool
+from gateway.discovery import Discovery, Resolver, fixed_addresses, resolve_dns
 from gateway.http_api import OpenAIApi
 from gateway.http_server import HttpServer
 from gateway.metrics import GatewayMetrics
@@ -28,29 +32,45 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 
 
-async def serve(config: GatewayConfig) -> None:
+async def serve(config: GatewayConfig, resolver: Resolver = resolve_dns) -> None:
+    """Runs the gateway until SIGTERM/SIGINT; ``resolver`` answers for its ``dns:///`` backends."""
     model_dir = await asyncio.to_thread(resolve_model_dir, config.model, config.cache_dir or None)
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_dir)
     hf_config = await asyncio.to_thread(AutoConfig.from_pretrained, model_dir)
     limits = ModelLimits.from_config(hf_config, config.max_model_len, eos_token_ids(model_dir, hf_config))
 
-    metrics = GatewayMetrics(CollectorRegistry())
-    prefills = prefill_pool(config.prefill)
-    decodes = decode_pool(config.decode)
+    metrics = GatewayMetrics(CollectorRegistry(), config.model_id, limits.max_model_len)
+    prefills = prefill_pool(fixed_addresses(config.prefill))
+    decodes = decode_pool(fixed_addresses(config.decode))
+    discoveries = [
+        Discovery(pool, targets, resolver, config.resolve_interval_s)
+        for pool, targets in ((prefills, config.prefill), (decodes, config.decode))
+    ]
     flow = RequestFlow(PromptInput(tokenizer, limits), tokenizer, prefills, decodes, metrics)
-    server = ServiceServer(
-        config.server.host,
-        config.server.port,
-        [SERVICE_NAME],
-        work_methods=[f"/{SERVICE_NAME}/Generate"],
-        advertise_host=config.server.public_host,
-    )
+    api = OpenAIApi(flow, metrics, tokenizer, limits, config.model_id, config.api_key)
+    try:
+        server = ServiceServer(
+            config.server.host,
+            config.server.port,
+            [SERVICE_NAME],
+            work_methods=[f"/{SERVICE_NAME}/Generate"],
+            advertise_host=config.server.public_host,
+        )
+        http = None
+        if config.http_port >= 0:
+            http = HttpServer(api.app(), config.server.host, config.http_port, config.server.grace_s)
+        metrics_server = MetricsServer(config.server.host, config.server.metrics_port, metrics.registry)
+    except OSError as error:
+        logger.error(
+            "gateway: cannot listen (%s); free the port or pick others (--port, --http-port: 0 a free "
+            "port, -1 no HTTP; --metrics-port)",
+            error,
+        )
+        raise SystemExit(1) from None
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(flow, metrics), server.server)
-    metrics_server = MetricsServer(config.server.host, config.server.metrics_port, metrics.registry)
-    api = OpenAIApi(flow, metrics, tokenizer, limits, config.model_id)
-    http = None
-    if config.http_port >= 0:
-        http = HttpServer(api.app(), config.server.host, config.http_port, config.server.grace_s)
+    for discovery in discoveries:
+        await discovery.refresh()
+    resolving = [asyncio.create_task(d.run()) for d in discoveries if d.by_name]
     await server.start()
     metrics_address = f"{config.server.public_host}:{metrics_server.port}"
     if http is None:
@@ -63,6 +83,11 @@ async def serve(config: GatewayConfig) -> None:
     logger.info("draining gateway (grace %.1fs)", config.server.grace_s)
     api.draining = True
     await asyncio.gather(server.drain(config.server.grace_s), *([http.stop()] if http else []))
+    for task in resolving:
+        task.cancel()
+    await asyncio.gather(*resolving, return_exceptions=True)
+    for discovery in discoveries:
+        await discovery.close()
     await flow.close()
     await prefills.close()
     await decodes.close()

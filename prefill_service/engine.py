@@ -9,7 +9,10 @@ Lifecycle of a request here:
 4. a request complete at that token (max_tokens=1, EOS, a stop token or stop string) keeps
    nothing; otherwise its prompt's KV is packed into one buffer of the prefill's KV space (its
    shared-memory arena, or private memory), ready to be parked under a handle;
-5. every request of the batch gets its result the moment that forward ends.
+5. every request of the batch gets its result the moment that forward ends, with the time it
+   waited in the queue (step 1 to 2).
+
+``num_waiting`` and ``num_running`` count the requests of steps 1 and 2-4.
 
 ``warm_up`` (``--compile``, before the service is ready) runs this same forward on dummy prompts,
 alone and batched with padding, on the engine thread; its results are dropped and nothing is kept.
@@ -18,6 +21,7 @@ alone and batched with padding, on the engine thread; its results are dropped an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -52,6 +56,7 @@ class PrefillResult:
     num_tokens: int
     forward_seconds: float
     batch_size: int
+    queue_seconds: float = 0.0
 
     @property
     def kv_buffer(self) -> torch.Tensor | None:
@@ -64,6 +69,7 @@ class _Pending:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[PrefillResult]
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
 
 
 class PrefillEngine:
@@ -78,14 +84,29 @@ class PrefillEngine:
         self._max_batch_tokens = max_batch_tokens
         self._queue: queue.SimpleQueue[_Pending | WarmUp | None] = queue.SimpleQueue()
         self._held: _Pending | WarmUp | None = None
+        self._num_waiting = 0
+        self._num_running = 0
+        self._count_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
         self._thread.start()
 
     async def run(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> PrefillResult:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[PrefillResult] = loop.create_future()
+        with self._count_lock:
+            self._num_waiting += 1
         self._queue.put(_Pending(list(prompt_token_ids), params, loop, future))
         return await future
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet in a forward."""
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        """Requests of the forward running now."""
+        return self._num_running
 
     def warm_up(self) -> float:
         """Runs the prefill forward on the dummy prompts of ``WARM_UP_BATCHES`` on the engine thread,
@@ -115,9 +136,13 @@ class PrefillEngine:
             if isinstance(batch, WarmUp):
                 batch.run(self._warm_up)
                 continue
+            with self._count_lock:
+                self._num_waiting -= len(batch)
             batch = [p for p in batch if not p.future.cancelled()]
             if not batch:
                 continue
+            started = time.perf_counter()
+            self._num_running = len(batch)
             try:
                 results = self._prefill([p.prompt_token_ids for p in batch], [p.params for p in batch])
             except Exception as exc:
@@ -125,8 +150,11 @@ class PrefillEngine:
                 for p in batch:
                     p.loop.call_soon_threadsafe(_set_exception, p.future, exc)
                 continue
+            finally:
+                self._num_running = 0
             for p, result in zip(batch, results, strict=True):
-                p.loop.call_soon_threadsafe(_set_result, p.future, result)
+                queued = dataclasses.replace(result, queue_seconds=started - p.submitted)
+                p.loop.call_soon_threadsafe(_set_result, p.future, queued)
 
     def _next_batch(self) -> list[_Pending] | WarmUp | None:
         first = self._held or self._queue.get()

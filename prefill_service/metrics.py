@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.model.compile import CompiledFrames
 
+QUEUE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
 if TYPE_CHECKING:
     from prefill_service.kv_lender import KvLender
     from prefill_service.kv_space import KvSpace
@@ -31,6 +33,20 @@ class PrefillMetrics:
         )
         self.forward_seconds = Histogram(
             "pdserve_prefill_forward_seconds", "Duration of prefill forwards", registry=registry
+        )
+        self.waiting = Gauge(
+            "pdserve_prefill_waiting",
+            "Requests in the prefill queue: submitted, not yet in a forward",
+            registry=registry,
+        )
+        self.running = Gauge(
+            "pdserve_prefill_running", "Requests in the prefill forward running now", registry=registry
+        )
+        self.queue_seconds = Histogram(
+            "pdserve_prefill_queue_seconds",
+            "Time requests waited in the prefill queue before their forward",
+            buckets=QUEUE_BUCKETS,
+            registry=registry,
         )
         self.batch_size = Histogram(
             "pdserve_prefill_batch_size",
@@ -116,6 +132,10 @@ class PrefillMetrics:
             "Duration of the start-up warm-up of the compiled forwards (0: none ran)",
             registry=registry,
         )
+
+    def track_queue(self, num_waiting: Callable[[], int], num_running: Callable[[], int]) -> None:
+        self.waiting.set_function(num_waiting)
+        self.running.set_function(num_running)
 
     def track_parked(self, num_handles: Callable[[], int], num_bytes: Callable[[], int]) -> None:
         self.parked_handles.set_function(num_handles)

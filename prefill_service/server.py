@@ -149,6 +149,7 @@ def build_prefill(
     metrics.track_lent(lender, space)
     sender = KvSender(instance_id, store, backend, engine_model.device, host, timeout, metrics)
     engine = PrefillEngine(engine_model, space, config.batch_tokens)
+    metrics.track_queue(lambda: engine.num_waiting, lambda: engine.num_running)
     kv_rendezvous = f"{host}:{store.port}"
     issuer = HandleIssuer(
         prefill_address=server.address,

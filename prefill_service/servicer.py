@@ -187,11 +187,14 @@ class PrefillServicer(KvHandoffServicer):
         except ForwardUnavailable as exc:
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"prefill could not run: {exc}")
         self._metrics.forward_seconds.observe(result.forward_seconds)
+        self._metrics.queue_seconds.observe(result.queue_seconds)
         self._metrics.batch_size.observe(result.batch_size)
         if result.finish_reason is not None or result.kv is None:
             self._metrics.finished_at_first_token.labels(result.finish_reason or "").inc()
             return prefill_pb2.PrefillResponse(
-                first_token_id=result.first_token_id, finish_reason=result.finish_reason or ""
+                first_token_id=result.first_token_id,
+                finish_reason=result.finish_reason or "",
+                queue_seconds=result.queue_seconds,
             )
         entry = self._registry.park(result.kv, result.num_tokens)
         self._metrics.kv_parks.inc()
@@ -199,4 +202,5 @@ class PrefillServicer(KvHandoffServicer):
         return prefill_pb2.PrefillResponse(
             first_token_id=result.first_token_id,
             kv_handle=self._issuer.issue(entry),
+            queue_seconds=result.queue_seconds,
         )

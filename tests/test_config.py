@@ -364,6 +364,7 @@ ENGINE_ENV = [
     "PDSERVE_EP_RANK",
     "PDSERVE_EP_MASTER",
     "PDSERVE_EP_DEVICES",
+    "PDSERVE_EP_PORT_BASE",
 ]
 TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S", "PDSERVE_KV_SHM_DIR"]
 
@@ -406,8 +407,10 @@ TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S", "PDSERVE_KV_
                 "PDSERVE_MAX_MODEL_LEN",
                 "PDSERVE_PREFILL",
                 "PDSERVE_DECODE",
+                "PDSERVE_RESOLVE_INTERVAL_S",
                 "PDSERVE_HTTP_PORT",
                 "PDSERVE_SERVED_MODEL_NAME",
+                "PDSERVE_API_KEY",
             ],
         ),
     ],
@@ -443,11 +446,40 @@ def test_leaf_field_names_are_unique_so_flags_map_back_to_fields(cls: type) -> N
         ({"ep": 2, "ep_rank": 1, "ep_master": "nohost"}, "ep_master"),
         ({"ep": 2, "ep_timeout_s": 0.0}, "ep_timeout_s"),
         ({"ep_dispatch": "deepep-fast"}, "ep_dispatch"),
+        ({"ep": 2, "ep_port_base": -1}, "ep_port_base"),
+        ({"ep": 4, "ep_port_base": 65530}, "ep_port_base"),
     ],
 )
 def test_expert_parallel_fields_are_validated(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
+
+
+def test_expert_parallel_ports_are_fixed_blocks_outside_the_service_ports() -> None:
+    from pdserve.config.ep_ports import ep_port_range, ep_rank_ports
+    from pdserve.expert_parallel.group import internal_port, rank_port_overrides
+
+    assert ep_port_range(29600, 2) == range(29600, 29608)
+    assert ep_rank_ports(29600, 0).group_store == 29601
+    assert rank_port_overrides(29600, 1) == {
+        "port": 0,
+        "metrics_port": 29606,
+        "kv_port": 29605,
+        "prefill_metrics_port": 29607,
+    }
+    assert set(rank_port_overrides(0, 1).values()) == {0}, "no base: free ports, as before"
+    engine = EngineConfig(ep=2, ep_rank=1, ep_master="h:1", ep_port_base=29600)
+    assert internal_port(engine) == 29604 and internal_port(EngineConfig(ep=2)) == 0
+    with pytest.raises(ValueError, match=r"ports \[29601\] lie in the expert-parallel block"):
+        PrefillConfig(engine=EngineConfig(ep=2, ep_port_base=29600), kv_port=29601)
+    assert PrefillConfig(engine=EngineConfig(ep=2, ep_port_base=29600), kv_port=29500).kv_port == 29500
+
+
+def test_secret_settings_are_not_shown_in_help() -> None:
+    parser = argparse.ArgumentParser()
+    cli_options.add_arguments(parser, GatewayConfig, env={"PDSERVE_API_KEY": "sk-secret"})
+    assert "sk-secret" not in parser.format_help() and "(set)" in parser.format_help()
+    assert parser.parse_args([]).api_key == "sk-secret"
 
 
 @pytest.mark.parametrize(

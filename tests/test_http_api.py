@@ -1,6 +1,7 @@
 """The gateway's OpenAI-compatible HTTP API, driven by the official `openai` client against real
-processes on 127.0.0.1: same tokens as the gRPC API, OpenAI's shapes and errors, cancellation on
-disconnect, and `pdserve up --http-port`.
+processes on 127.0.0.1: same tokens as the gRPC API, OpenAI's shapes and errors, the API key,
+cancellation on disconnect, `/metrics` with the request-level metrics, and `pdserve up` serving it
+by default.
 
 The stack serves a copy of tiny-llama whose EOS is the greedy first token of EOS_PROMPT, so that the
 "eos" finish and `ignore_eos` can be seen; prompts that must run to max_tokens set ignore_eos.
@@ -8,6 +9,7 @@ The stack serves a copy of tiny-llama whose EOS is the greedy first token of EOS
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import socket
@@ -75,10 +77,9 @@ def http_get(address: str, path: str) -> tuple[int, bytes]:
         return error.code, error.read()
 
 
-def http_post(address: str, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(
-        f"http://{address}{path}", data=body, headers={"Content-Type": "application/json"}
-    )
+def http_post(address: str, path: str, body: bytes, key: str = "") -> tuple[int, dict[str, Any]]:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(f"http://{address}{path}", data=body, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             return response.status, json.loads(response.read())
@@ -414,19 +415,101 @@ def test_unavailable_backend_is_503_and_the_gateway_stops_cleanly(cache_dir: Pat
             *("--model", "tiny-llama", "--host", "127.0.0.1", "--port", "0", "--http-port", "0"),
             *("--prefill", dead[0], "--decode", dead[1]),
         ],
-        service_env(cache_dir),
+        {**service_env(cache_dir), "PDSERVE_API_KEY": "sk-test"},
         tmp_path / "gateway.log",
     )
     gateway.start()
     try:
         address = str(gateway.wait_ready()["http"])
-        status, answer = http_post(address, "/v1/completions", json.dumps({"prompt": "hi"}).encode())
+        body = json.dumps({"prompt": "hi"}).encode()
+        status, answer = http_post(address, "/v1/completions", body)
+        assert (status, answer["error"]["code"]) == (401, "invalid_api_key"), answer
+        assert http_post(address, "/v1/completions", body, key="sk-wrong")[0] == 401
+        status, answer = http_post(address, "/v1/completions", body, key="sk-test")
         assert status == 503, answer
         assert answer["error"]["type"] == "server_error"
         assert answer["error"]["code"] == "service_unavailable"
         assert http_get(address, "/health")[0] == 200
+        assert http_get(address, "/metrics")[0] == 200, "probes and scrapers need no key"
+        assert "sk-test" not in gateway.log_tail(20000)
     finally:
         assert gateway.stop() == 0, gateway.log_tail()
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+REQUEST_HISTOGRAMS = (
+    "pdserve_e2e_request_latency_seconds",
+    "pdserve_time_to_first_token_seconds",
+    "pdserve_request_time_per_output_token_seconds",
+    "pdserve_request_queue_time_seconds",
+    "pdserve_request_prompt_tokens",
+    "pdserve_request_generation_tokens",
+)
+
+
+def test_metrics_on_the_http_port(http_stack: HttpStack) -> None:
+    """Three requests (HTTP whole and streamed, gRPC) in the vLLM-shaped histograms of /metrics on
+    the HTTP port, the same registry as --metrics-port; the decode's KV usage and the prefill's queue."""
+    stack, http = http_stack.stack, http_stack.http
+    assert stack.gateway is not None
+    model = f"model_name={MODEL_ID}"
+    before = scrape(http)
+    lengths = (6, 5, 4)
+    http_stack.client.completions.create(
+        model=MODEL_ID, prompt="Hello", max_tokens=lengths[0], temperature=0, extra_body={"ignore_eos": True}
+    )
+    chat = http_stack.client.chat.completions.create(
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=lengths[1],
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    assert list(chat)
+    http_stack.grpc(prompt_token_ids=[5, 6, 7], max_tokens=lengths[2], temperature=0.0, ignore_eos=True)
+
+    after = scrape(http)
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    for name in REQUEST_HISTOGRAMS:
+        assert delta(f"{name}_count{{{model}}}") == 3, name
+        assert after[f"{name}_bucket{{le=+Inf,{model}}}"] == after[f"{name}_count{{{model}}}"]
+    assert delta(f"pdserve_inter_token_latency_seconds_count{{{model}}}") == sum(lengths) - len(lengths)
+    assert delta(f"pdserve_request_generation_tokens_sum{{{model}}}") == sum(lengths)
+    assert delta(f"pdserve_generation_tokens_total{{{model}}}") == sum(lengths)
+    assert delta(f"pdserve_request_prompt_tokens_sum{{{model}}}") == delta(
+        f"pdserve_prompt_tokens_total{{{model}}}"
+    )
+    assert delta(f"pdserve_request_success_total{{finished_reason=length,{model}}}") == 3
+    assert delta(f"pdserve_request_success_total{{finished_reason=abort,{model}}}") == 0
+    same = "pdserve_request_success_total{finished_reason=length," + model + "}"
+    assert scrape(stack.gateway.metrics)[same] == after[same], "one registry on both ports"
+    status, _ = http_get(http, "/metrics")
+    assert status == 200
+
+    prefill = scrape(stack.prefills[0].metrics)
+    assert prefill["pdserve_prefill_waiting"] == 0 and prefill["pdserve_prefill_running"] == 0
+    assert prefill["pdserve_prefill_queue_seconds_count"] >= 3
+    # A long request holds KV blocks of the decode while it runs.
+    body: dict[str, Any] = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": LONG, "stream": True}
+    sock = open_request(http, "/v1/completions", body | {"temperature": 0, "ignore_eos": True})
+    try:
+        read_events(sock, 4)
+        usage = scrape(stack.decodes[0].metrics)["pdserve_decode_kv_cache_usage_ratio"]
+        assert 0 < usage <= 1, usage
+    finally:
+        sock.close()
+    assert wait_for(lambda: scrape(stack.decodes[0].metrics)["pdserve_decode_kv_cache_usage_ratio"] == 0, 15)
+    assert wait_for(lambda: delta_abort(http, before, model) == 1, 15), "the cancelled request is an abort"
+
+
+def delta_abort(http: str, before: dict[str, float], model: str) -> float:
+    name = f"pdserve_request_success_total{{finished_reason=abort,{model}}}"
+    return scrape(http)[name] - before.get(name, 0.0)
 
 
 # --- cancellation --------------------------------------------------------------------------------
@@ -510,7 +593,11 @@ def test_up_announces_and_serves_http(cache_dir: Path, tmp_path: Path) -> None:
         assert [m.id for m in client.models.list().data] == ["tiny-llama"]
         result = client.completions.create(model="tiny-llama", prompt=[5, 6, 7], max_tokens=3, temperature=0)
         assert result.usage is not None and result.usage.prompt_tokens == 3
-        assert "OpenAI-compatible API: http://" in (tmp_path / "up.log").read_text()
+        assert f"curl http://{address}/v1/chat/completions" in (tmp_path / "up.log").read_text()
+        requests = scrape(address)[
+            "pdserve_request_success_total{finished_reason=length,model_name=tiny-llama}"
+        ]
+        assert requests == 1, "/metrics on the HTTP port"
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
 
@@ -527,6 +614,8 @@ def test_up_passes_and_pins_the_http_port() -> None:
     pinned = launcher.pin_ports(spec, {"grpc": "h:3", "metrics": "h:4", "http": "h:8123"})
     assert pinned.http_port == 8123
     assert launcher.pin_ports(launcher.LaunchSpec(launcher.GATEWAY), {"grpc": "h:3"}).http_port == -1
+    default = launcher.service_command(launcher.UpConfig(), dataclasses.replace(spec, http_port=8000))
+    assert launcher.UpConfig().http_port == 8000 and default[default.index("--http-port") + 1] == "8000"
     with pytest.raises(ValueError, match="http_port"):
         launcher.UpConfig(http_port=-2)
 
@@ -535,7 +624,7 @@ def test_gateway_config_http_port() -> None:
     from pdserve.config import GatewayConfig
 
     base = {"prefill": ("h:1",), "decode": ("h:2",)}
-    assert GatewayConfig(**base).http_port == -1
+    assert GatewayConfig(**base).http_port == 8000
     assert GatewayConfig(**base, model="m").model_id == "m"
     assert GatewayConfig(**base, model="m", served_model_name="n").model_id == "n"
     for bad in (-2, 65536):

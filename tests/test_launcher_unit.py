@@ -118,6 +118,7 @@ sys.exit(Supervisor(config, command_builder=build, health_check=None).run())
 
 FAST: dict[str, Any] = {
     "port": 0,
+    "http_port": 0,
     "restart_backoff_s": 0.1,
     "startup_timeout_s": 20.0,
     "shutdown_timeout_s": 5.0,

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,10 +23,11 @@ def pdserve_up(
     cache_dir: Path, log_path: Path, *args: str
 ) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
     """``pdserve up ARGS`` as a user runs it: yields the process and its ready line; kills what is
-    left at the end (a test that stops it checks the exit itself)."""
+    left at the end (a test that stops it checks the exit itself). The HTTP front is on a free port
+    unless ARGS say otherwise: its default port, 8000, is one for every test."""
     with log_path.open("w") as log:
         up = subprocess.Popen(
-            [*PDSERVE, "up", *args],
+            [*PDSERVE, "up", "--http-port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
@@ -108,6 +110,26 @@ def test_up_serves_restarts_and_stops(cache_dir: Path, tmp_path: Path) -> None:
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
         assert wait_for(lambda: not any(pid_alive(p) for p in pids[:2]), 10), "children outlived pdserve up"
+
+
+def test_up_refuses_to_start_when_a_gateway_port_is_taken(cache_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for flag in ("--http-port", "--port"):
+            other = "--port" if flag == "--http-port" else "--http-port"
+            done = subprocess.run(
+                [*PDSERVE, "up", "--model", "tiny-llama", other, "0", flag, port],
+                capture_output=True,
+                text=True,
+                cwd=REPO_ROOT,
+                env=service_env(cache_dir),
+                timeout=60,
+            )
+            assert done.returncode == 1, done.stderr
+            assert done.stdout == "" and f"cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
+            assert f"pass {flag} N" in done.stderr and "starting" not in done.stderr
 
 
 def test_generate_streams_plain_text(stack_pool: Any) -> None:

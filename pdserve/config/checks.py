@@ -6,6 +6,7 @@ import math
 import re
 
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
+DNS_SCHEME = "dns:///"
 
 
 def check_port(name: str, value: int, *, off: int | None = None) -> None:
@@ -27,6 +28,16 @@ def check_address(name: str, value: str) -> None:
         raise ValueError(
             f"{name} addresses must look like HOST:PORT with a port in [1, 65535], got {value!r}"
         )
+
+
+def check_backend_address(name: str, value: str) -> None:
+    """A backend of the gateway: HOST:PORT, or ``dns:///HOST:PORT`` (every address the name resolves
+    to, re-resolved while the gateway runs)."""
+    if value.startswith("dns:") and not value.startswith(DNS_SCHEME):
+        raise ValueError(
+            f"{name} addresses by name must look like {DNS_SCHEME}HOST:PORT (no DNS authority), got {value!r}"
+        )
+    check_address(name, value.removeprefix(DNS_SCHEME))
 
 
 def check_positive(name: str, value: float) -> None:

@@ -28,6 +28,7 @@ class Option:
     type: Any
     default: Any
     help: str
+    secret: bool = False  # its value is never shown (``--help``)
 
     @property
     def name(self) -> str:
@@ -59,7 +60,8 @@ def options(cls: type, defaults: Any = None, prefix: tuple[str, ...] = ()) -> It
         if dataclasses.is_dataclass(kind):
             yield from options(typing.cast(type, kind), default, (*prefix, f.name))
         else:
-            yield Option((*prefix, f.name), kind, default, str(f.metadata.get("help", "")))
+            help_text = str(f.metadata.get("help", ""))
+            yield Option((*prefix, f.name), kind, default, help_text, bool(f.metadata.get("secret")))
 
 
 def env_names(cls: type) -> list[str]:
@@ -98,6 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, env: Mapping[str, 
         if option.env_var in env:
             default = _parse(option, env[option.env_var])
         shown = ",".join(default) if isinstance(default, tuple) else default
+        if option.secret and shown:
+            shown = "(set)"
         # A bare boolean flag means true; `--flag false` also works.
         parser.add_argument(
             option.flag,

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from pdserve.config.checks import (
     check_address,
     check_at_least,
+    check_backend_address,
     check_choice,
     check_device,
     check_non_negative,
@@ -19,6 +20,7 @@ from pdserve.config.checks import (
     check_positive,
     device_at,
 )
+from pdserve.config.ep_ports import check_ep_port_base, ep_port_range
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BACKENDS = ("auto", "gloo", "nccl", "shm", "cuda-ipc")
@@ -71,6 +73,13 @@ class EngineConfig:
         default=(),
         metadata={"help": "device of each expert-parallel rank (default: consecutive GPUs from --device)"},
     )
+    ep_port_base: int = field(
+        default=0,
+        metadata={
+            "help": "first of the group's fixed internal ports, 4 per rank from it (0 picks free ports; "
+            "see pdserve/config/ep_ports.py)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -94,6 +103,7 @@ class EngineConfig:
             )
         for device in self.ep_devices:
             check_device("ep_devices", device)
+        check_ep_port_base(self.ep_port_base, self.ep)
 
     @property
     def rank_device(self) -> str:
@@ -190,6 +200,19 @@ class EngineService:
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
 
+    def check_ep_ports(self, *ports: int) -> None:
+        """Rank 0's own ports (``ports``: the service's public ones) lie outside the group's block."""
+        engine = self.engine
+        if engine.ep == 1 or not engine.ep_port_base or engine.ep_rank:
+            return
+        block = ep_port_range(engine.ep_port_base, engine.ep)
+        inside = sorted({p for p in (self.server.port, self.server.metrics_port, *ports) if p in block})
+        if inside:
+            raise ValueError(
+                f"ports {inside} lie in the expert-parallel block [{block.start}, {block.stop}) of "
+                f"ep_port_base {engine.ep_port_base}: move the base or the ports"
+            )
+
 
 @dataclass(frozen=True)
 class PrefillSettings:
@@ -242,6 +265,7 @@ class PrefillConfig(PrefillSettings, EngineService):
     def __post_init__(self) -> None:
         self.check_prefill()
         self.transfer.check_device(self.engine.device, "prefill")
+        self.check_ep_ports(self.kv_port)
 
     @property
     def batch_tokens(self) -> int:
@@ -254,6 +278,7 @@ class DecodeConfig(DecodeSettings, EngineService):
     def __post_init__(self) -> None:
         self.check_decode()
         self.transfer.check_device(self.engine.device, "decode")
+        self.check_ep_ports()
 
 
 C = TypeVar("C")
@@ -275,6 +300,7 @@ class ColocatedConfig(DecodeSettings, PrefillSettings, EngineService):
         check_port("prefill_metrics_port", self.prefill_metrics_port)
         self.check_prefill()
         self.check_decode()
+        self.check_ep_ports(self.kv_port, self.prefill_metrics_port)
 
     def prefill_config(self) -> PrefillConfig:
         # The decode takes the KV in memory: no shared-memory arena to park it in.
@@ -289,6 +315,9 @@ class ColocatedConfig(DecodeSettings, PrefillSettings, EngineService):
         return _part(DecodeConfig, self)
 
 
+HTTP_PORT = 8000
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=50051))
@@ -297,13 +326,32 @@ class GatewayConfig:
         default="", metadata={"help": "where presets are built (default ~/.cache/pdserve)"}
     )
     max_model_len: int = field(default=0, metadata={"help": "context limit; 0 takes the model's"})
-    prefill: tuple[str, ...] = field(default=(), metadata={"help": "prefill gRPC addresses (HOST:PORT,...)"})
-    decode: tuple[str, ...] = field(default=(), metadata={"help": "decode gRPC addresses (HOST:PORT,...)"})
+    prefill: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "prefill gRPC addresses: HOST:PORT, or dns:///NAME:PORT for every address of NAME"},
+    )
+    decode: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "decode gRPC addresses: HOST:PORT, or dns:///NAME:PORT for every address of NAME"},
+    )
+    resolve_interval_s: float = field(
+        default=5.0, metadata={"help": "seconds between resolutions of the dns:/// backend names"}
+    )
     http_port: int = field(
-        default=-1, metadata={"help": "OpenAI-compatible HTTP port (-1 turns it off, 0 picks a free one)"}
+        default=HTTP_PORT,
+        metadata={
+            "help": "OpenAI-compatible HTTP port, also serving /metrics (-1 turns it off, 0 picks a free one)"
+        },
     )
     served_model_name: str = field(
         default="", metadata={"help": "model id of the HTTP API (default: the --model value)"}
+    )
+    api_key: str = field(
+        default="",
+        metadata={
+            "help": "HTTP API calls under /v1 must send `Authorization: Bearer KEY` ('' = no key)",
+            "secret": True,
+        },
     )
 
     def __post_init__(self) -> None:
@@ -312,10 +360,11 @@ class GatewayConfig:
         if not self.decode:
             raise ValueError("at least one decode address is required (--decode / PDSERVE_DECODE)")
         for address in self.prefill:
-            check_address("prefill", address)
+            check_backend_address("prefill", address)
         for address in self.decode:
-            check_address("decode", address)
+            check_backend_address("decode", address)
         check_at_least("max_model_len", self.max_model_len, 0)
+        check_positive("resolve_interval_s", self.resolve_interval_s)
         check_port("http_port", self.http_port, off=-1)
 
     @property

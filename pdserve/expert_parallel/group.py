@@ -1,8 +1,8 @@
 """The rank processes of one expert-parallel service and the torch.distributed group they form.
 
 Rank 0 is the process the user started: it hosts the group's TCPStore and starts ranks 1..N-1 as
-child processes of the same command (same flags, with ``--ep-rank``/``--ep-master`` and fresh
-ports). They stay in rank 0's process group (a supervisor that kills it kills them all), get
+child processes of the same command (same flags, with ``--ep-rank``/``--ep-master`` and ports of
+their own: free ones, or those of ``--ep-port-base``, see ``pdserve.config.ep_ports``). They stay in rank 0's process group (a supervisor that kills it kills them all), get
 SIGTERM if rank 0 dies, and ignore SIGINT: a terminal's Ctrl-C is rank 0's to handle, which then
 drains and stops the whole group. Start-up, on every rank:
 1. load the model, keep its own experts, build its services and start its (internal) gRPC server;
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.config import EngineConfig, flags
+from pdserve.config.ep_ports import ep_rank_ports
 from pdserve.core.processes import with_parent_death_signal
 from pdserve.kv.rendezvous import connect_store, host_store
 
@@ -36,7 +37,24 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 900.0
 POLL_S = 0.5
-PORT_OVERRIDES = {"port": 0, "metrics_port": 0, "kv_port": 0, "prefill_metrics_port": 0}
+
+
+def rank_port_overrides(base: int, rank: int) -> dict[str, int]:
+    """The ports rank ``rank`` (>= 1) serves on: its block of ``base``, or free ones (base 0)."""
+    if not base:
+        return {"port": 0, "metrics_port": 0, "kv_port": 0, "prefill_metrics_port": 0}
+    ports = ep_rank_ports(base, rank)
+    return {
+        "port": 0,  # a rank other than 0 serves no public port
+        "metrics_port": ports.metrics,
+        "kv_port": ports.kv,
+        "prefill_metrics_port": ports.prefill_metrics,
+    }
+
+
+def internal_port(engine: EngineConfig) -> int:
+    """The port of this rank's internal gRPC server (0: a free one)."""
+    return ep_rank_ports(engine.ep_port_base, engine.ep_rank).grpc if engine.ep_port_base else 0
 
 
 class GroupStartError(RuntimeError):
@@ -62,11 +80,13 @@ class EpGroup:
         """Rank 0: hosts the store and starts the other ranks of ``pdserve <command>``. Call it on
         the main thread: a follower gets SIGTERM when the thread that started it ends."""
         engine: EngineConfig = config.engine
-        store = host_store(host, 0, timedelta(seconds=STARTUP_TIMEOUT_S))
+        store_port = ep_rank_ports(engine.ep_port_base, 0).group_store if engine.ep_port_base else 0
+        store = host_store(host, store_port, timedelta(seconds=STARTUP_TIMEOUT_S))
         master = f"{connect_host(host)}:{store.port}"
         followers = []
         for rank in range(1, engine.ep):
-            args = flags.to_args(config_cls, config, ep_rank=rank, ep_master=master, **PORT_OVERRIDES)
+            overrides = rank_port_overrides(engine.ep_port_base, rank)
+            args = flags.to_args(config_cls, config, ep_rank=rank, ep_master=master, **overrides)
             followers.append(
                 subprocess.Popen(
                     with_parent_death_signal([sys.executable, "-m", "pdserve", command, *args], os.getpid()),

@@ -43,7 +43,7 @@ import torch
 
 from pdserve.expert_parallel.deepep_setup import DeepEpRequest, DeepEpSetup, DeepEpStartError
 from pdserve.expert_parallel.ep_metrics import register_ep_metrics
-from pdserve.expert_parallel.group import EpGroup
+from pdserve.expert_parallel.group import EpGroup, internal_port
 from pdserve.expert_parallel.lockstep import Lockstep
 from pdserve.expert_parallel.rank_model import ExpertSharding, RankModel, expert_parallel_model
 from pdserve.hosting.rank_router import DecodeRouter, PrefillRouter, RankChannels
@@ -118,7 +118,8 @@ async def _serve_rank(kind: ServiceKind, config: Any, group: EpGroup) -> bool:
     except ValueError as exc:  # the model cannot be split this way: a usage error, not a crash
         logger.error("pdserve %s --ep %d: %s", kind.command, group.size, exc)
         raise SystemExit(2) from None
-    internal = kind.server(server_config, 0)  # rank 0's public port is for its routers
+    # Rank 0's public port is for its routers; every rank serves its parts on an internal port.
+    internal = kind.server(server_config, internal_port(config.engine))
     parts = kind.build(config, rank_model.engine_model, internal, group.rank)
     lockstep = rank_model.lockstep
     lockstep.track_busy(parts.busy)

@@ -6,14 +6,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import signal
+import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.config import DEFAULT_MODEL
+from pdserve.config import DEFAULT_MODEL, HTTP_PORT
 from pdserve.config.checks import (
     check_at_least,
     check_choice,
@@ -39,8 +41,11 @@ class UpConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address every service binds and advertises"})
     port: int = field(default=50051, metadata={"help": "gateway gRPC port (0 picks a free one)"})
     http_port: int = field(
-        default=-1,
-        metadata={"help": "gateway OpenAI-compatible HTTP port (-1 turns it off, 0 picks a free one)"},
+        default=HTTP_PORT,
+        metadata={
+            "help": "gateway OpenAI-compatible HTTP port, also serving /metrics "
+            "(-1 turns it off, 0 picks a free one)"
+        },
     )
     device: str = field(default="cpu", metadata={"help": "torch device of the replicas, e.g. cpu or cuda:0"})
     threads: int = field(default=1, metadata={"help": "intra-op torch threads of each replica on CPU"})
@@ -214,6 +219,16 @@ def pin_ports(spec: LaunchSpec, info: Mapping[str, Any]) -> LaunchSpec:
     )
 
 
+def bind_error(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now (as the servers bind it), or None when it can."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.create_server((host, port), family=family).close()
+    except OSError as error:
+        return error.strerror or str(error)
+    return None
+
+
 def describe_exit(returncode: int) -> str:
     if returncode < 0:
         try:
@@ -230,3 +245,19 @@ def pdserve_executable() -> str:
         return "pdserve"
     relative = os.path.relpath(candidate)
     return relative if not relative.startswith("..") else str(candidate)
+
+
+def curl_example(http_address: str, model: str, with_api_key: bool = False) -> str:
+    """The ``curl`` line of the hint ``pdserve up`` prints: one chat request over the HTTP API
+    (``with_api_key``: sending the key of ``$PDSERVE_API_KEY``)."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 32,
+    }
+    return (
+        "or over the OpenAI-compatible HTTP API:\n"
+        f"  curl http://{http_address}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        + ('    -H "Authorization: Bearer $PDSERVE_API_KEY" \\\n' if with_api_key else "")
+        + f"    -d {shlex.quote(json.dumps(body))}\n"
+    )

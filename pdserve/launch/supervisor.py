@@ -45,6 +45,8 @@ from pdserve.launch.spec import (
     HealthCheck,
     LaunchSpec,
     UpConfig,
+    bind_error,
+    curl_example,
     describe_exit,
     parse_ready_line,
     pdserve_executable,
@@ -178,6 +180,8 @@ class Supervisor:
 
     def _run(self) -> int:
         config = self.config
+        if not self._gateway_ports_free():
+            return 1
         deadline = time.monotonic() + config.startup_timeout_s
         if config.mode == "colocated":
             backends = [_Child(LaunchSpec(COLOCATED, index)) for index in range(config.prefill_replicas)]
@@ -213,6 +217,27 @@ class Supervisor:
             self._demo = Demo(self._address(gateway), config.demo_prompt, self._stderr, self._stderr_lock)
             self._demo.start()
         return self._monitor()
+
+    def _gateway_ports_free(self) -> bool:
+        """False, after saying so, when the gateway's fixed gRPC or HTTP port is taken."""
+        config = self.config
+        for flag, port, off in (
+            ("--port", config.port, ""),
+            ("--http-port", config.http_port, ", -1: no HTTP"),
+        ):
+            error = bind_error(config.host, port) if port > 0 else None
+            if error is not None:
+                logger.error(
+                    "the gateway cannot listen on %s:%d (%s): stop what listens there, or pass %s N "
+                    "(0: a free port%s); nothing was started",
+                    config.host,
+                    port,
+                    error,
+                    flag,
+                    off,
+                )
+                return False
+        return True
 
     def _await_ready(self, children: Sequence[_Child], deadline: float) -> int | None:
         """None once every child of ``children`` is ready, else the exit code to return."""
@@ -284,7 +309,11 @@ class Supervisor:
             f"pdserve is up: gateway on {address} with {self.config.prefill_replicas} prefill and "
             f"{self.config.decode_replicas} decode replica(s). Send a request with:\n"
             f'  {pdserve_executable()} generate --address {address} "The capital of France is"\n'
-            + (f"OpenAI-compatible API: http://{http}/v1\n" if http else "")
+            + (
+                curl_example(str(http), self.config.model, bool(self._env.get("PDSERVE_API_KEY")))
+                if http
+                else ""
+            )
             + "Stop with Ctrl-C.\n"
         )
         self.ready.set()
