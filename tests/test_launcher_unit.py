@@ -275,6 +275,7 @@ def test_service_command() -> None:
         "--device": "cpu",
         "--threads": "2",
         "--ep": "1",
+        "--kv-backend": "auto",
         "--kv-port": "3",
         "--cache-dir": "/tmp/c",
     }

@@ -85,6 +85,11 @@ def test_up_serves_restarts_and_stops(cache_dir: Path, tmp_path: Path) -> None:
         assert set(ready["gateway"]) >= {"grpc", "metrics", "pid"}
         assert len(ready["prefill"]) == 1 and len(ready["decode"]) == 1
         assert set(ready["prefill"][0]) >= {"grpc", "metrics", "kv_rendezvous", "pid"}
+        # The plan: both engines on the CPU, KV read in place from shared memory.
+        assert ready["plan"] == {
+            "devices": {"prefill-0": ["cpu"], "decode-0": ["cpu"]},
+            "kv": {"prefill-0->decode-0": "shm"},
+        }
         pids = [ready["gateway"]["pid"], ready["prefill"][0]["pid"], ready["decode"][0]["pid"]]
         assert len(set(pids)) == 3 and all(pid_alive(p) for p in pids)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.config import DEFAULT_MODEL, HTTP_PORT
+from pdserve.config import BACKENDS, DEFAULT_MODEL, HTTP_PORT
 from pdserve.config.checks import (
     check_at_least,
     check_choice,
@@ -86,6 +86,20 @@ class UpConfig:
     shutdown_timeout_s: float = field(
         default=15.0, metadata={"help": "on SIGINT/SIGTERM, time the children get before SIGKILL"}
     )
+    prefill_devices: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "GPUs of the prefill ranks, N or cuda:N, one per replica and rank (default: in order)"
+        },
+    )
+    decode_devices: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "GPUs of the decode ranks, one per replica and rank (default: in order)"},
+    )
+    kv_backend: str = field(
+        default="auto",
+        metadata={"help": "how KV moves: auto, shm, cuda-ipc, nccl or gloo (see pdserve prefill)"},
+    )
     demo: bool = field(default=False, metadata={"help": "once up, stream one demo request to stderr"})
     demo_prompt: str = field(
         default="What is the capital of France?", metadata={"help": "user message of the demo request"}
@@ -99,6 +113,9 @@ class UpConfig:
         check_port("port", self.port)
         check_port("http_port", self.http_port, off=-1)
         check_device("device", self.device)
+        check_choice("kv_backend", self.kv_backend, BACKENDS)
+        if (self.prefill_devices or self.decode_devices) and self.device == "cpu":
+            raise ValueError("prefill_devices and decode_devices name GPUs: set device to cuda")
         check_at_least("threads", self.threads, 1)
         check_choice("mode", self.mode, MODES)
         check_at_least("prefill_replicas", self.prefill_replicas, 1)
@@ -124,6 +141,10 @@ class UpConfig:
         if self.demo and not self.demo_prompt:
             raise ValueError("demo_prompt must not be empty when demo is on")
 
+    @property
+    def uses_gpus(self) -> bool:
+        return self.device.startswith("cuda")
+
     def restart_delay_s(self, recent_deaths: int) -> float:
         """Backoff before restarting a child that died ``recent_deaths`` times in the window."""
         exponent = min(max(recent_deaths - 1, 0), 62)
@@ -143,6 +164,7 @@ class LaunchSpec:
     http_port: int = -1
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()  # of each rank (engine processes; empty: the configured device)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -165,8 +187,12 @@ def service_command(config: UpConfig, spec: LaunchSpec) -> list[str]:
         command += ["--prefill", ",".join(spec.prefill), "--decode", ",".join(spec.decode)]
         command += ["--http-port", str(spec.http_port)]
     else:
-        command += ["--device", config.device, "--threads", str(config.threads)]
+        devices = spec.devices or (config.device,)
+        command += ["--device", devices[0], "--threads", str(config.threads)]
         command += ["--ep", str(config.decode_ep if spec.role == DECODE else config.prefill_ep)]
+        if len(devices) > 1:
+            command += ["--ep-devices", ",".join(devices)]
+        command += ["--kv-backend", config.kv_backend]
         if config.compile:
             command += ["--compile", "true"]
     if spec.role in (PREFILL, COLOCATED):

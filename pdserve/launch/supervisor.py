@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TextIO
@@ -36,6 +36,7 @@ from pdserve.config import flags
 from pdserve.core.logs import configure_logging
 from pdserve.core.processes import with_parent_death_signal
 from pdserve.launch.demo import Demo
+from pdserve.launch.device_plan import DevicePlan, plan_devices
 from pdserve.launch.spec import (
     COLOCATED,
     DECODE,
@@ -56,6 +57,13 @@ from pdserve.launch.spec import (
 from pdserve.rpc import health_client
 
 logger = logging.getLogger(__name__)
+
+
+def visible_gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
 
 POLL_S = 0.05
 HEALTH_ATTEMPT_S = 1.0
@@ -116,8 +124,12 @@ class Supervisor:
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
         env: Mapping[str, str] | None = None,
+        gpu_count: Callable[[], int] = visible_gpu_count,
     ) -> None:
+        """``gpu_count`` says how many GPUs this host shows (asked only when ``config`` uses GPUs)."""
         self.config = config
+        self._gpu_count = gpu_count
+        self.plan: DevicePlan | None = None
         self._command: CommandBuilder = command_builder or functools.partial(service_command, config)
         self._health_check = health_check
         self._stdout = sys.stdout if stdout is None else stdout
@@ -182,12 +194,23 @@ class Supervisor:
         config = self.config
         if not self._gateway_ports_free():
             return 1
+        try:
+            self.plan = plan = plan_devices(config, self._gpu_count() if config.uses_gpus else 0)
+        except ValueError as error:
+            logger.error("pdserve up cannot place its processes: %s", error)
+            return 2
         deadline = time.monotonic() + config.startup_timeout_s
-        if config.mode == "colocated":
-            backends = [_Child(LaunchSpec(COLOCATED, index)) for index in range(config.prefill_replicas)]
-        else:
-            backends = [_Child(LaunchSpec(PREFILL, index)) for index in range(config.prefill_replicas)]
-            backends += [_Child(LaunchSpec(DECODE, index)) for index in range(config.decode_replicas)]
+        roles = [COLOCATED] if config.mode == "colocated" else [PREFILL, DECODE]
+        counts = {
+            COLOCATED: config.prefill_replicas,
+            PREFILL: config.prefill_replicas,
+            DECODE: config.decode_replicas,
+        }
+        backends = [
+            _Child(LaunchSpec(role, index, devices=plan.of(LaunchSpec(role, index).name)))
+            for role in roles
+            for index in range(counts[role])
+        ]
         self._children.extend(backends)
         for child in backends:
             self._spawn(child)
@@ -299,7 +322,9 @@ class Supervisor:
         return None
 
     def _announce(self) -> None:
-        line = {"ready": True, **self.endpoints()}
+        line: dict[str, Any] = {"ready": True, **self.endpoints()}
+        if self.plan is not None:
+            line["plan"] = self.plan.describe(self.config.kv_backend)
         self._stdout.write(json.dumps(line) + "\n")
         self._stdout.flush()
         gateway = self._children[-1]
