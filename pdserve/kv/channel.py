@@ -29,6 +29,7 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -63,6 +64,8 @@ def transfer_device(backend: str, device: torch.device) -> torch.device:
     if backend == "nccl":
         if device.type != "cuda":
             raise ValueError(f"the nccl backend needs a CUDA device, got {device}")
+        if device.index is None:  # one name per device: buffers report cuda:N
+            return torch.device("cuda", torch.cuda.current_device())
         return device
     if backend == "gloo":
         return torch.device("cpu")
@@ -90,7 +93,9 @@ class PairChannel:
         device: torch.device,
         local_host: str,
         timeout: timedelta,
+        build_group: Callable[[], Any] | None = None,
     ) -> None:
+        """``build_group`` replaces the real torch.distributed group (tests use a stand-in)."""
         self.prefix = prefix
         self.rank = rank
         self.backend = backend
@@ -99,6 +104,7 @@ class PairChannel:
         self._local_host = local_host
         self._timeout = timeout
         self._group: Any = None
+        self._build = build_group or self._build_group
         self._lock = threading.Lock()
         self._executor_closed = False
         self._state = ChannelState.CREATED
@@ -153,7 +159,18 @@ class PairChannel:
         self._executor.shutdown(wait=False)
 
     def _drop_group(self) -> None:
-        self._group = None
+        self._release_group(broken=False)
+
+    def _release_group(self, broken: bool) -> None:
+        """Ends the group explicitly: shut down after a clean close, aborted after a failure (NCCL's
+        communicators go at once instead of at garbage collection, with the GIL held)."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        try:
+            group.abort() if broken else group.shutdown()
+        except Exception as exc:
+            logger.debug("ending the group of %s: %s", self.prefix, exc)
 
     def _advance(self, state: ChannelState) -> None:
         with self._lock:
@@ -189,7 +206,7 @@ class PairChannel:
         try:
             if self._group is None:
                 self._advance(ChannelState.CONNECTING)
-                self._group = self._build_group()
+                self._group = self._build()
                 self._advance(ChannelState.READY)
             if buf is None:
                 return
@@ -200,7 +217,7 @@ class PairChannel:
             with self._lock:
                 if self._state != ChannelState.CLOSED:
                     self._state = ChannelState.BROKEN
-            self._group = None  # a broken group is never used again: free its sockets now
+            self._release_group(broken=True)  # a broken group is never used again: free it now
             logger.warning("KV %s on %s failed: %s", op, self.prefix, exc)
             if isinstance(exc, TransferError):
                 raise

@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.core.logs import configure_logging
+from pdserve.core.nccl import configure_error_handling
 
 logger = logging.getLogger(__name__)
 
@@ -239,5 +240,6 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
 def run_service(main: Callable[[], Any]) -> None:
     """Runs an async service entry point with pdserve's logging set-up."""
     configure_logging()
+    configure_error_handling()  # before any NCCL group of this process exists
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(main())

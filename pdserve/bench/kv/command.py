@@ -27,6 +27,7 @@ from typing import Any
 
 from pdserve.bench.kv.config import BenchKvConfig
 from pdserve.config import flags
+from pdserve.core.nccl import configure_error_handling
 
 FIELDS = (
     ("tokens", "tokens", "{:d}"),
@@ -61,6 +62,7 @@ def run_bench_kv(args: argparse.Namespace) -> int:
 
     from pdserve.bench.kv.sender import run
 
+    configure_error_handling()  # the peer process inherits it
     asyncio.run(run(config, emit))
     if not config.json:
         print(format_table(config, results))
