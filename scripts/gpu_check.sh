@@ -1,25 +1,63 @@
 #!/usr/bin/env bash
-# Runs every GPU-only test on one machine with CUDA (the engines on the GPU, the equivalence gate on
-# CUDA tensors, KV packing on the device; NCCL pairs when two GPUs are present), then the DeepSeekMoE
-# decode benchmark on one GPU (DeepSeekMoE-16B's shapes, random bf16 weights, built on the GPU:
-# pdserve's DecodeEngine against model.generate at batch 1, 16 and 64), in under 8 minutes.
-# Usage: scripts/gpu_check.sh [PYTEST ARGS]   (from the repository root; creates .venv with a CUDA
-# torch build). Exits non-zero when either part fails; the benchmark runs even when a test failed.
-set -euo pipefail
+# The GPU check: every GPU-only test and the DeepSeekMoE decode benchmark on the GPUs of this machine,
+# in under 8 minutes on one GPU, ending in one JSON summary.
+#
+# On one GPU: the engines, KV packing on the device, the three-process stack on that GPU with the KV
+# read in place over CUDA IPC (and staged over gloo), exact against model.generate in float32 on
+# every preset; EP on CUDA tensors in a group of one; the DeepSeekMoE-16B-shape decode benchmark at
+# batch 1, 16 and 64 against model.generate (target: >= 3x at 64). With two GPUs or more, also: NCCL
+# pairs and their failure path, the stack over NCCL, an EP=2 prefill group, and the EP=2 DeepEP /
+# all-to-all gates in bfloat16 and float32 against the one-process reference.
+#
+# Usage: scripts/gpu_check.sh [PYTEST ARGS]   (from anywhere; writes $OUT/gpu-check/ or ./gpu-check/)
+# The Python it runs: .venv when its torch sees a GPU; otherwise a venv `.venv-gpu` on top of the
+# system python3 whose torch sees a GPU (its other packages installed from PyPI, or from ./.whl/
+# when there is no network); otherwise .venv with a CUDA build of torch from PyPI.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv
+started=$(date +%s)
+results="${OUT:-.}/gpu-check"
+mkdir -p "$results"
+
+sees_gpu() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
+
+install_project() {  # $1: python of a venv whose torch is to be kept
+    local pip=("$1" -m pip install --quiet)
+    if [ -d .whl ]; then pip+=(--no-index --find-links .whl); fi
+    local torch_now
+    torch_now=$("$1" -c "import torch; print(torch.__version__.split('+')[0])")
+    "${pip[@]}" -e ".[dev]" "torch==${torch_now}" || "${pip[@]}" --no-deps -e .
+}
+
+PY=""
+if [ -x .venv/bin/python ] && sees_gpu .venv/bin/python; then
+    PY=.venv/bin/python
+elif command -v python3 >/dev/null && sees_gpu python3; then
+    if [ ! -x .venv-gpu/bin/python ]; then
+        python3 -m venv --system-site-packages .venv-gpu
+        install_project .venv-gpu/bin/python
+    fi
+    PY=.venv-gpu/bin/python
+else
+    [ -x .venv/bin/python ] || python3 -m venv .venv
+    .venv/bin/python -m pip install --quiet --upgrade "torch>=2.6,<3" --index-url https://download.pytorch.org/whl/cu130 \
+        || .venv/bin/python -m pip install --quiet --upgrade "torch>=2.6,<3"
+    install_project .venv/bin/python
+    PY=.venv/bin/python
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
-    || .venv/bin/python -m pip install --quiet "torch>=2.6,<3"
-.venv/bin/python -m pip install --quiet -e ".[dev]"
+if ! sees_gpu "$PY"; then
+    echo '{"ok": false, "error": "no CUDA device visible"}' | tee "$results/summary.json"
+    exit 1
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-.venv/bin/python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device visible'; print(torch.__version__, torch.cuda.get_device_name(0))"
-export PDSERVE_LOG_LEVEL=WARNING
+export PDSERVE_LOG_LEVEL=WARNING PYTHONUNBUFFERED=1
+
 status=0
-timeout 300 .venv/bin/pytest -q -m gpu -p no:cacheprovider tests/ "$@" || status=$?
-timeout 150 .venv/bin/python scripts/bench_moe_decode.py --model deepseek-moe-16b-shape --device cuda:0 \
-    --dtype bfloat16 --batch 1,16,64 --input-len 64 --output-len 64 || status=$?
+timeout 330 "$PY" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$results/junit.xml" \
+    -o junit_logging=no tests/ "$@" | tee "$results/pytest.log" || status=1
+timeout 120 "$PY" scripts/bench_moe_decode.py --model deepseek-moe-16b-shape --device cuda:0 \
+    --dtype bfloat16 --batch 1,16,64 --input-len 64 --output-len 64 --json \
+    > "$results/bench_moe_decode.jsonl" 2> >(tee "$results/bench.log" >&2) || status=1
+"$PY" scripts/gpu_summary.py "$results" --seconds "$(( $(date +%s) - started ))" --min-ratio 3.0 \
+    | tee "$results/summary.json" || status=1
 exit "$status"

@@ -56,13 +56,15 @@ def stack_pool(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def assert_no_leaks(stack: Stack, timeout_s: float = 15.0) -> None:
-    """No parked KV, no transfer in flight, no transfer thread beyond one per open pair, nothing
-    running or waiting in decode."""
+    """No parked or lent KV, no transfer in flight, no transfer thread beyond one per open pair,
+    nothing running, waiting or borrowed in decode."""
 
     def clean() -> bool:
         for address in [a for prefill in stack.prefills for a in prefill.rank_metrics]:
             m = scrape(address)
             if m["pdserve_kv_parked_handles"] or m["pdserve_kv_parked_bytes"]:
+                return False
+            if m.get("pdserve_kv_lent_handles", 0.0):
                 return False
             if m["pdserve_kv_sends_in_flight"] or m["pdserve_kv_transfer_threads"] > m["pdserve_kv_pairs"]:
                 return False
@@ -73,6 +75,8 @@ def assert_no_leaks(stack: Stack, timeout_s: float = 15.0) -> None:
                 or m["pdserve_decode_waiting"]
                 or m["pdserve_decode_kv_blocks_used"]
             ):
+                return False
+            if m.get("pdserve_kv_borrowed_handles", 0.0):
                 return False
             if m["pdserve_kv_receives_in_flight"] or m["pdserve_kv_transfer_threads"] > m["pdserve_kv_pairs"]:
                 return False

@@ -1,4 +1,5 @@
-"""CUDA paths: the engines on a GPU, KV packing on the device, NCCL pairs. Skipped without CUDA.
+"""CUDA paths: the engines on a GPU, KV packing on the device, KV read in place over CUDA IPC on
+one GPU, NCCL pairs and their failures on two. Skipped without CUDA.
 
 Run them with `scripts/gpu_check.sh` on a machine with a GPU.
 """
@@ -6,6 +7,7 @@ Run them with `scripts/gpu_check.sh` on a machine with a GPU.
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -14,13 +16,14 @@ import pytest
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.kv.channel import PairChannel
+from pdserve.kv.channel import PairChannel, TransferError
 from pdserve.kv.layout import pack, unpack
 from pdserve.kv.rendezvous import connect_store, host_store, pair_prefix
 from pdserve.model.engine_model import load_engine_model
-from tests.conftest import PRESETS
+from tests.conftest import PRESETS, assert_no_leaks
 from tests.grpc_client import generate_many, make_request
-from tests.stack import Stack, free_port
+from tests.stack import Stack, free_port, scrape
+from tests.test_equivalence import reference_tokens
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,14 +48,25 @@ def test_kv_pack_on_device_round_trips(model_name: str, cache_dir: Path) -> None
         assert torch.equal(vd, v[1, :, 2:9])
 
 
+@pytest.mark.parametrize("transport", ["cuda-ipc", "gloo"])
 @pytest.mark.parametrize("model_name", PRESETS)
-def test_stack_on_cuda_matches_generate(model_name: str, cache_dir: Path, tmp_path: Path) -> None:
-    """Prefill and decode on the GPU (KV staged through host memory over gloo on one GPU)."""
+def test_stack_on_cuda_matches_generate(
+    model_name: str, transport: str, cache_dir: Path, tmp_path: Path
+) -> None:
+    """The three processes on one GPU: the KV read in place over CUDA IPC (what auto takes there),
+    or staged through host memory over gloo; greedy tokens equal to model.generate in float32."""
     from transformers import AutoModelForCausalLM
 
     from pdserve.model.source import resolve_model_dir
 
-    device_args = ["--device", "cuda:0", "--dtype", "float32", "--kv-backend", "gloo"]
+    device_args = [
+        "--device",
+        "cuda:0",
+        "--dtype",
+        "float32",
+        "--kv-backend",
+        "auto" if transport == "cuda-ipc" else transport,
+    ]
     stack = Stack(model_name, cache_dir, tmp_path, prefill_args=device_args, decode_args=device_args).start()
     try:
         model = (
@@ -72,8 +86,38 @@ def test_stack_on_cuda_matches_generate(model_name: str, cache_dir: Path, tmp_pa
             ids = torch.tensor([prompt], device="cuda:0")
             ref = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
             assert result.token_ids == ref[0, len(prompt) :].tolist()
+        pulls = scrape(stack.decodes[0].metrics)
+        assert pulls[f"pdserve_kv_transport_pulls_total{{transport={transport}}}"] == len(prompts)
+        assert_no_leaks(stack)
     finally:
         stack.stop()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL pairs need two GPUs")
+def test_an_nccl_send_nobody_receives_fails_in_bound_and_the_next_generation_works() -> None:
+    """A timeout on an NCCL pair fails that transfer only: this process lives on, the group is
+    aborted, and a pair of the next generation moves data again."""
+    timeout = timedelta(seconds=5)
+    store = host_store("127.0.0.1", 0, timeout)
+    client = connect_store(f"127.0.0.1:{store.port}", timeout)
+    lonely = PairChannel(
+        store, pair_prefix("p", "d", 1), 0, "nccl", torch.device("cuda:0"), "127.0.0.1", timeout
+    )
+    started = time.monotonic()
+    with pytest.raises(TransferError):
+        lonely.send(torch.ones(1 << 20, dtype=torch.uint8, device="cuda:0")).result(timeout=60)
+    assert time.monotonic() - started < 5 + 30, "the send failed past its bound"
+    lonely.close()
+    prefix = pair_prefix("p", "d", 2)
+    sender = PairChannel(store, prefix, 0, "nccl", torch.device("cuda:0"), "127.0.0.1", timeout)
+    receiver = PairChannel(client, prefix, 1, "nccl", torch.device("cuda:1"), "127.0.0.1", timeout)
+    sent = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda:0")
+    got = torch.empty(1 << 20, dtype=torch.uint8, device="cuda:1")
+    for future in (sender.send(sent), receiver.recv(got)):
+        future.result(timeout=120)
+    assert torch.equal(sent.cpu(), got.cpu())
+    sender.close()
+    receiver.close()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL pairs need two GPUs")
@@ -106,18 +150,29 @@ def test_nccl_pair_moves_device_buffers_in_order() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL stack needs two GPUs")
-def test_full_stack_over_nccl(cache_dir: Path, tmp_path: Path) -> None:
+def test_full_stack_over_nccl(cache_dir: Path, tmp_path: Path, reference_models: Any) -> None:
+    """Prefill on cuda:0, decode on cuda:1, the KV over an NCCL pair: the tokens themselves equal
+    the plain model's, over one pair kept between requests."""
+    args = ["--dtype", "float32", "--kv-backend", "nccl"]
     stack = Stack(
         "tiny-llama",
         cache_dir,
         tmp_path,
-        prefill_args=["--device", "cuda:0", "--dtype", "float32"],
-        decode_args=["--device", "cuda:1", "--dtype", "float32"],
+        prefill_args=["--device", "cuda:0", *args],
+        decode_args=["--device", "cuda:1", *args],
     ).start()
     try:
-        request = make_request(prompt_token_ids=[5, 6, 7], max_tokens=16, temperature=0.0, ignore_eos=True)
-        results = asyncio.run(generate_many(stack.address, [request]))
-        assert len(results[0].token_ids) == 16
+        model, _ = reference_models("tiny-llama")
+        prompts = [[5, 6, 7], list(range(3, 90))]
+        requests = [
+            make_request(prompt_token_ids=p, max_tokens=16, temperature=0.0, ignore_eos=True) for p in prompts
+        ]
+        results = asyncio.run(generate_many(stack.address, requests))
+        for prompt, result in zip(prompts, results, strict=True):
+            assert result.token_ids == reference_tokens(model, prompt, 16)
+        assert scrape(stack.decodes[0].metrics)["pdserve_kv_transport_pulls_total{transport=nccl}"] == 2
+        assert scrape(stack.prefills[0].metrics)["pdserve_kv_pairs"] == 1
+        assert_no_leaks(stack)
     finally:
         stack.stop()
 
