@@ -44,7 +44,7 @@ from tests.stack import REPO_ROOT, free_port, scrape, service_env
 
 CONFIGS: dict[str, type] = {"prefill": PrefillConfig, "decode": DecodeConfig, "gateway": GatewayConfig}
 # Read by the libraries the services run (NCCL), not by pdserve's own settings.
-LIBRARY_VARIABLES = {"NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_HOSTID"}
+LIBRARY_VARIABLES = {"NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_HOSTID", "NCCL_P2P_DISABLE"}
 PORT_VARIABLES = ("PDSERVE_PORT", "PDSERVE_METRICS_PORT", "PDSERVE_KV_PORT", "PDSERVE_HTTP_PORT")
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 OVERLAYS = REPO_ROOT / "deploy" / "k8s" / "overlays"
@@ -195,6 +195,8 @@ def test_compose_gpu_profiles_give_each_engine_its_own_gpus(compose: dict[str, A
     assert "deploy" not in starts["gateway"].extra, "the gateway needs no GPU"
     # One host id: NCCL moves the KV between the two containers through their shared memory.
     assert starts["prefill"].env["NCCL_HOSTID"] == starts["decode"].env["NCCL_HOSTID"] != ""
+    # ...and not over peer-to-peer, closed between containers that see only their own GPUs.
+    assert starts["prefill"].env["NCCL_P2P_DISABLE"] == starts["decode"].env["NCCL_P2P_DISABLE"] == "1"
     device_ids = {}
     for name in ("prefill", "decode"):
         start = starts[name]
