@@ -48,26 +48,22 @@ def test_kv_pack_on_device_round_trips(model_name: str, cache_dir: Path) -> None
         assert torch.equal(vd, v[1, :, 2:9])
 
 
-@pytest.mark.parametrize("transport", ["cuda-ipc", "gloo"])
+@pytest.mark.parametrize("transport", ["cuda-ipc", "gloo", "cpu-decode"])
 @pytest.mark.parametrize("model_name", PRESETS)
 def test_stack_on_cuda_matches_generate(
     model_name: str, transport: str, cache_dir: Path, tmp_path: Path
 ) -> None:
     """The three processes on one GPU: the KV read in place over CUDA IPC (what auto takes there),
-    or staged through host memory over gloo; greedy tokens equal to model.generate in float32."""
+    or staged through host memory over gloo; and a GPU prefill with a CPU decode, which auto meets
+    on gloo. Greedy tokens equal to model.generate in float32."""
     from transformers import AutoModelForCausalLM
 
     from pdserve.model.source import resolve_model_dir
 
-    device_args = [
-        "--device",
-        "cuda:0",
-        "--dtype",
-        "float32",
-        "--kv-backend",
-        "auto" if transport == "cuda-ipc" else transport,
-    ]
-    stack = Stack(model_name, cache_dir, tmp_path, prefill_args=device_args, decode_args=device_args).start()
+    backend = {"cuda-ipc": "auto", "gloo": "gloo", "cpu-decode": "auto"}[transport]
+    prefill_args = ["--device", "cuda:0", "--dtype", "float32", "--kv-backend", backend]
+    decode_args = ["--dtype", "float32"] if transport == "cpu-decode" else prefill_args
+    stack = Stack(model_name, cache_dir, tmp_path, prefill_args=prefill_args, decode_args=decode_args).start()
     try:
         model = (
             AutoModelForCausalLM.from_pretrained(resolve_model_dir(model_name, cache_dir)).to("cuda:0").eval()
@@ -86,8 +82,9 @@ def test_stack_on_cuda_matches_generate(
             ids = torch.tensor([prompt], device="cuda:0")
             ref = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
             assert result.token_ids == ref[0, len(prompt) :].tolist()
+        used = "gloo" if transport == "cpu-decode" else transport
         pulls = scrape(stack.decodes[0].metrics)
-        assert pulls[f"pdserve_kv_transport_pulls_total{{transport={transport}}}"] == len(prompts)
+        assert pulls[f"pdserve_kv_transport_pulls_total{{transport={used}}}"] == len(prompts)
         assert_no_leaks(stack)
     finally:
         stack.stop()
