@@ -109,98 +109,153 @@ def _choose_dispatch(kind: ServiceKind, config: Any, rank_model: RankModel) -> s
 
 async def _serve_rank(kind: ServiceKind, config: Any, group: EpGroup) -> bool:
     """Serves until the group ends; True when it ended by failure."""
-    server_config = config.server
-    host = server_config.public_host
-    sharding = ExpertSharding(group.rank, group.size)
+    rank = await _RankRun.start(kind, config, group)
     try:
-        loaded = await asyncio.to_thread(load_engine_model, config.engine, sharding)
-        rank_model = expert_parallel_model(loaded, sharding)
-    except ValueError as exc:  # the model cannot be split this way: a usage error, not a crash
-        logger.error("pdserve %s --ep %d: %s", kind.command, group.size, exc)
-        raise SystemExit(2) from None
-    # Rank 0's public port is for its routers; every rank serves its parts on an internal port.
-    internal = kind.server(server_config, internal_port(config.engine))
-    parts = kind.build(config, rank_model.engine_model, internal, group.rank)
-    lockstep = rank_model.lockstep
-    lockstep.track_busy(parts.busy)
-    register_ep_metrics(parts.metrics[0][1], group.rank, group.size, lockstep, rank_model.dispatch)
-    metrics_servers = parts.serve_metrics(server_config.host)
-    await internal.start()
-    tasks = [asyncio.create_task(run()) for run in parts.background]
-    public: ServiceServer | None = None
-    ranks: RankChannels | None = None
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    # Rank 0 drains on SIGTERM or SIGINT; the others leave SIGINT (a terminal's Ctrl-C) to rank 0.
-    signals = (signal.SIGTERM, signal.SIGINT) if group.rank == 0 else (signal.SIGTERM,)
-    for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        info: dict[str, Any] = {
-            "rank": group.rank,
-            "pid": os.getpid(),
-            "grpc": internal.address,
-            **{key: f"{host}:{server.port}" for key, server in metrics_servers.items()},
-            **parts.ready,
-        }
-        group.publish(info)
-        if group.rank == 0:
-            infos = await asyncio.to_thread(group.gather)
-        else:
-            await asyncio.to_thread(group.wait_for_go)
-        await asyncio.to_thread(group.form, rank_model.engine_model.device)
+        await rank.join_group()
+        await rank.serve_public()
+        return await rank.wait_for_end()
+    finally:
+        await rank.close()
+
+
+class _RankRun:
+    """One rank of a running group: its model, its service on an internal port, and on rank 0 the
+    public port with the routers."""
+
+    def __init__(
+        self,
+        kind: ServiceKind,
+        config: Any,
+        group: EpGroup,
+        rank_model: Any,
+        parts: RankParts,
+        internal: ServiceServer,
+    ) -> None:
+        self.kind, self.config, self.group = kind, config, group
+        self.rank_model = rank_model
+        self.parts = parts
+        self.internal = internal
+        self.lockstep: Lockstep = rank_model.lockstep
+        self.public: ServiceServer | None = None
+        self.ranks: RankChannels | None = None
+        self.infos: list[dict[str, Any]] = []
+        self.kernels = ""
+        self.stop = asyncio.Event()
+        self.metrics_servers = parts.serve_metrics(config.server.host)
+        self.tasks: list[asyncio.Task[None]] = []
+        # Rank 0 drains on SIGTERM or SIGINT; the others leave SIGINT (a terminal's Ctrl-C) to rank 0.
+        self.signals = (signal.SIGTERM, signal.SIGINT) if group.rank == 0 else (signal.SIGTERM,)
+
+    @classmethod
+    async def start(cls, kind: ServiceKind, config: Any, group: EpGroup) -> _RankRun:
+        """Loads this rank's part of the model and serves its parts on the internal port."""
+        sharding = ExpertSharding(group.rank, group.size)
         try:
-            kernels = await asyncio.to_thread(_choose_dispatch, kind, config, rank_model)
-        except DeepEpStartError as exc:
+            loaded = await asyncio.to_thread(load_engine_model, config.engine, sharding)
+            rank_model = expert_parallel_model(loaded, sharding)
+        except ValueError as exc:  # the model cannot be split this way: a usage error, not a crash
             logger.error("pdserve %s --ep %d: %s", kind.command, group.size, exc)
             raise SystemExit(2) from None
-        lockstep.start()
-        logger.info("expert-parallel rank %d of %d in step", group.rank, group.size)
-        if rank_model.engine_model.compiled:
-            await _warm_up(parts, group, lockstep, stop)
+        # Rank 0's public port is for its routers; every rank serves its parts on an internal port.
+        internal = kind.server(config.server, internal_port(config.engine))
+        parts = kind.build(config, rank_model.engine_model, internal, group.rank)
+        rank_model.lockstep.track_busy(parts.busy)
+        register_ep_metrics(
+            parts.metrics[0][1], group.rank, group.size, rank_model.lockstep, rank_model.dispatch
+        )
+        run = cls(kind, config, group, rank_model, parts, internal)
+        await internal.start()
+        run.tasks = [asyncio.create_task(task()) for task in parts.background]
+        loop = asyncio.get_running_loop()
+        for sig in run.signals:
+            loop.add_signal_handler(sig, run.stop.set)
+        return run
+
+    @property
+    def info(self) -> dict[str, Any]:
+        host = self.config.server.public_host
+        return {
+            "rank": self.group.rank,
+            "pid": os.getpid(),
+            "grpc": self.internal.address,
+            **{key: f"{host}:{server.port}" for key, server in self.metrics_servers.items()},
+            **self.parts.ready,
+        }
+
+    async def join_group(self) -> None:
+        """Every rank published, the process group formed, the dispatch chosen, the lockstep
+        running and (``--compile``) every rank warm."""
+        group = self.group
+        group.publish(self.info)
         if group.rank == 0:
-            public = kind.server(server_config, server_config.port)
-            ranks = RankChannels([i["grpc"] for i in infos])
-            if kind.routes_prefill:
-                prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillRouter(ranks), public.server)
-            if kind.routes_decode:
-                decode_pb2_grpc.add_DecodeServicer_to_server(
-                    DecodeRouter(ranks, kind.decode_by_handle_rank), public.server
-                )
-            await public.start()
-            own = {k: v for k, v in info.items() if k not in ("rank", "pid", "grpc")}
-            announce_ready(kind.command, grpc=public.address, **own, ep_dispatch=kernels, ranks=infos)
-        while not stop.is_set() and not lockstep.ended.is_set():
-            await asyncio.sleep(LOCKSTEP_POLL_S)
-        failed = False
-        if stop.is_set():
-            if public is not None:
-                logger.info("draining expert-parallel %s (grace %.1fs)", kind.command, server_config.grace_s)
-                # Waits for what every rank holds: a decode pulls KV from the rank that parked it.
-                await public.drain(server_config.grace_s, busy=lambda: max(parts.busy(), lockstep.group_busy))
-            lockstep.stop()  # on a rank other than 0, this stops the whole group
-            await asyncio.to_thread(lockstep.join, JOIN_TIMEOUT_S)
+            self.infos = await asyncio.to_thread(group.gather)
         else:
-            failed = lockstep.failure is not None
-            logger.log(
-                logging.ERROR if failed else logging.INFO,
-                "expert-parallel group ended: %s",
-                lockstep.failure or "stopped by another rank",
+            await asyncio.to_thread(group.wait_for_go)
+        await asyncio.to_thread(group.form, self.rank_model.engine_model.device)
+        try:
+            self.kernels = await asyncio.to_thread(_choose_dispatch, self.kind, self.config, self.rank_model)
+        except DeepEpStartError as exc:
+            logger.error("pdserve %s --ep %d: %s", self.kind.command, group.size, exc)
+            raise SystemExit(2) from None
+        self.lockstep.start()
+        logger.info("expert-parallel rank %d of %d in step", group.rank, group.size)
+        if self.rank_model.engine_model.compiled:
+            await _warm_up(self.parts, group, self.lockstep, self.stop)
+
+    async def serve_public(self) -> None:
+        """Rank 0: the public port with the routers, and the group's ready line."""
+        if self.group.rank != 0:
+            return
+        kind = self.kind
+        self.public = public = kind.server(self.config.server, self.config.server.port)
+        self.ranks = ranks = RankChannels([i["grpc"] for i in self.infos])
+        if kind.routes_prefill:
+            prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillRouter(ranks), public.server)
+        if kind.routes_decode:
+            decode_pb2_grpc.add_DecodeServicer_to_server(
+                DecodeRouter(ranks, kind.decode_by_handle_rank), public.server
             )
-            if public is not None:
-                await public.fail(server_config.grace_s)
+        await public.start()
+        own = {k: v for k, v in self.info.items() if k not in ("rank", "pid", "grpc")}
+        announce_ready(kind.command, grpc=public.address, **own, ep_dispatch=self.kernels, ranks=self.infos)
+
+    async def wait_for_end(self) -> bool:
+        """Until a signal (drain, then stop the group) or the group's end; True when it failed."""
+        while not self.stop.is_set() and not self.lockstep.ended.is_set():
+            await asyncio.sleep(LOCKSTEP_POLL_S)
+        grace_s = self.config.server.grace_s
+        if self.stop.is_set():
+            if self.public is not None:
+                logger.info("draining expert-parallel %s (grace %.1fs)", self.kind.command, grace_s)
+                # Waits for what every rank holds: a decode pulls KV from the rank that parked it.
+                await self.public.drain(
+                    grace_s, busy=lambda: max(self.parts.busy(), self.lockstep.group_busy)
+                )
+            self.lockstep.stop()  # on a rank other than 0, this stops the whole group
+            await asyncio.to_thread(self.lockstep.join, JOIN_TIMEOUT_S)
+            return False
+        failed = self.lockstep.failure is not None
+        logger.log(
+            logging.ERROR if failed else logging.INFO,
+            "expert-parallel group ended: %s",
+            self.lockstep.failure or "stopped by another rank",
+        )
+        if self.public is not None:
+            await self.public.fail(grace_s)
         return failed
-    finally:
-        for sig in signals:
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in self.signals:
             loop.remove_signal_handler(sig)
-        lockstep.stop()
-        for task in tasks:
+        self.lockstep.stop()
+        for task in self.tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if ranks is not None:
-            await ranks.close()
-        await internal.server.stop(0)
-        await parts.close()
-        for server in metrics_servers.values():
+        if self.ranks is not None:
+            await self.ranks.close()
+        await self.internal.server.stop(0)
+        await self.parts.close()
+        for server in self.metrics_servers.values():
             server.close()
