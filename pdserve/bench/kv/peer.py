@@ -80,9 +80,7 @@ async def _serve(config: BenchKvConfig, rendezvous: str) -> None:
     raw = None
     if backend in NETWORK:
         raw = PairChannel(store, RAW_PREFIX, DECODE_RANK, backend, device, config.host, timeout)
-    metrics = DecodeMetrics(CollectorRegistry())
     shm_dir = Path(config.shm_dir)
-    place = cuda_ipc.place_of(device, host_id(shm_dir) if backend in SAME_HOST else "")
     puller = KvPuller(
         uuid.uuid4().hex,
         FINGERPRINT,
@@ -91,73 +89,89 @@ async def _serve(config: BenchKvConfig, rendezvous: str) -> None:
         device,
         config.host,
         timeout,
-        metrics,
-        place=place,
+        DecodeMetrics(CollectorRegistry()),
+        place=cuda_ipc.place_of(device, host_id(shm_dir) if backend in SAME_HOST else ""),
         shm_dir=str(shm_dir),
     )
-    clock = Clock(device)
-    pools: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-
-    async def handoff(handle: kv_pb2.KvHandle, context: Any) -> bytes:
-        received_at = clock.now()
-        pulled = await puller.pull_timed(handle)
-        data_s = pulled.data_s
-        layers = pulled.layers
-        if pulled.transport in SAME_HOST:  # read in place: the decode copies it into its pool once
-            pool = pools.get(handle.num_tokens)
-            if pool is None:
-                pool = pools[handle.num_tokens] = [(k.clone(), v.clone()) for k, v in layers]
-            start = clock.now()
-            for (k, v), (pk, pv) in zip(layers, pool, strict=True):
-                pk.copy_(k)
-                pv.copy_(v)
-            data_s = clock.now() - start
-            pulled.release()
-            layers = pool
-        answer: dict[str, Any] = {
-            "received_at": received_at,
-            "control_s": pulled.control_s,
-            "data_s": data_s,
-        }
-        if any(key == DIGEST_METADATA for key, _ in context.invocation_metadata()):
-            answer["digest"] = digest([t for kv in layers for t in kv])
-        del pulled, layers  # the buffer is freed before the answer, outside the next handoff's times
-        return json.dumps(answer).encode()
-
     server = grpc.aio.server()
     handler = grpc.unary_unary_rpc_method_handler(
-        handoff, request_deserializer=kv_pb2.KvHandle.FromString, response_serializer=lambda b: b
+        _Handoff(puller, Clock(device)).handle,
+        request_deserializer=kv_pb2.KvHandle.FromString,
+        response_serializer=lambda b: b,
     )
     service, method = HANDOFF_METHOD.strip("/").split("/")
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {method: handler})])
     port = server.add_insecure_port(f"{config.host}:0")
     await server.start()
     await _set(store, "peer/address", f"{config.host}:{port}")
-    target = transfer_device(transfer_backend(backend), device) if raw is not None else device
     try:
         for num_tokens in config.token_counts:
-            size = json.loads(await _get(store, f"size/{num_tokens}"))
-            warm = torch.empty(size["bytes"], dtype=torch.uint8, device=target)
-            source = _lent_source(size, shm_dir, config) if raw is None else None
-            for i in range(config.repeat + 1):
-                if source is None and raw is not None:
-                    future: concurrent.futures.Future[None] = raw.recv(warm)
-                    await _set(store, f"raw/{num_tokens}/{i}/posted", "1")
-                    await asyncio.wrap_future(future)
-                    await _set(store, f"raw/{num_tokens}/{i}/done", str(clock.now()))
-                elif source is not None:
-                    await _set(store, f"raw/{num_tokens}/{i}/posted", "1")
-                    start = clock.now()
-                    warm.copy_(source)
-                    await _set(store, f"raw/{num_tokens}/{i}/took", str(clock.now() - start))
-            await _set(store, f"raw/{num_tokens}/digest", digest([warm]))
-            del warm, source
+            await _receive_raw(config, store, raw, shm_dir, num_tokens, Clock(device))
         await _get(store, "finished")
     finally:
         if raw is not None:
             raw.close()
         await server.stop(0)
         await puller.close()
+
+
+class _Handoff:
+    """The ``Handoff`` method: a handle pulled through the real puller, as a decode takes one."""
+
+    def __init__(self, puller: KvPuller, clock: Clock) -> None:
+        self._puller = puller
+        self._clock = clock
+        self._pools: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    async def handle(self, handle: kv_pb2.KvHandle, context: Any) -> bytes:
+        received_at = self._clock.now()
+        pulled = await self._puller.pull_timed(handle)
+        data_s = pulled.data_s
+        layers = pulled.layers
+        if pulled.transport in SAME_HOST:  # read in place: the decode copies it into its pool once
+            data_s, layers = self._copy_into_pool(handle.num_tokens, layers)
+            pulled.release()
+        answer: dict[str, Any] = {"received_at": received_at, "control_s": pulled.control_s, "data_s": data_s}
+        if any(key == DIGEST_METADATA for key, _ in context.invocation_metadata()):
+            answer["digest"] = digest([t for kv in layers for t in kv])
+        del pulled, layers  # the buffer is freed before the answer, outside the next handoff's times
+        return json.dumps(answer).encode()
+
+    def _copy_into_pool(
+        self, num_tokens: int, layers: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[float, list[tuple[torch.Tensor, torch.Tensor]]]:
+        pool = self._pools.get(num_tokens)
+        if pool is None:
+            pool = self._pools[num_tokens] = [(k.clone(), v.clone()) for k, v in layers]
+        start = self._clock.now()
+        for (k, v), (pk, pv) in zip(layers, pool, strict=True):
+            pk.copy_(k)
+            pv.copy_(v)
+        return self._clock.now() - start, pool
+
+
+async def _receive_raw(
+    config: BenchKvConfig, store: Any, raw: PairChannel | None, shm_dir: Path, num_tokens: int, clock: Clock
+) -> None:
+    """One size into a warm buffer, each run timed: received over the raw pair, or copied out of the
+    prefill's memory where it lies; then the digest of what arrived."""
+    size = json.loads(await _get(store, f"size/{num_tokens}"))
+    device = torch.device(config.receiver_device)
+    target = transfer_device(transfer_backend(config.backend_name), device) if raw is not None else device
+    warm = torch.empty(size["bytes"], dtype=torch.uint8, device=target)
+    source = _lent_source(size, shm_dir, config) if raw is None else None
+    for i in range(config.repeat + 1):
+        if raw is not None:
+            future: concurrent.futures.Future[None] = raw.recv(warm)
+            await _set(store, f"raw/{num_tokens}/{i}/posted", "1")
+            await asyncio.wrap_future(future)
+            await _set(store, f"raw/{num_tokens}/{i}/done", str(clock.now()))
+        elif source is not None:
+            await _set(store, f"raw/{num_tokens}/{i}/posted", "1")
+            start = clock.now()
+            warm.copy_(source)
+            await _set(store, f"raw/{num_tokens}/{i}/took", str(clock.now() - start))
+    await _set(store, f"raw/{num_tokens}/digest", digest([warm]))
 
 
 def _lent_source(size: dict[str, Any], shm_dir: Path, config: BenchKvConfig) -> torch.Tensor:

@@ -10,6 +10,7 @@ import multiprocessing
 import statistics
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -91,7 +92,7 @@ async def run(config: BenchKvConfig, emit: Callable[[dict[str, Any]], None]) -> 
     )
     try:
         for num_tokens in config.token_counts:
-            emit(await _measure(config, num_tokens, store, raw, space, registry, template, handoff))
+            emit(await _measure(_Sizes(config, store, raw, space, registry, template, handoff), num_tokens))
         await _set(store, "finished", "1")
     finally:
         if raw is not None:
@@ -108,90 +109,38 @@ async def run(config: BenchKvConfig, emit: Callable[[dict[str, Any]], None]) -> 
             lock.release()
 
 
-async def _measure(
-    config: BenchKvConfig,
-    num_tokens: int,
-    store: Any,
-    raw: PairChannel | None,
-    space: KvSpace,
-    registry: KvRegistry,
-    template: HandleIssuer,
-    handoff: Any,
-) -> dict[str, Any]:
+@dataclass
+class _Sizes:
+    """What one size's measurement needs: the transport's ends, the prefill's parts and a clock."""
+
+    config: BenchKvConfig
+    store: Any
+    raw: PairChannel | None  # None: the transport reads in place (shm, cuda-ipc)
+    space: KvSpace
+    registry: KvRegistry
+    template: HandleIssuer
+    handoff: Any
+
+    @property
+    def clock(self) -> Clock:
+        return Clock(torch.device(self.config.device))
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values[1:])  # the first run warms up
+
+
+async def _measure(run: _Sizes, num_tokens: int) -> dict[str, Any]:
+    config = run.config
     layout = config.layout()
-    clock = Clock(torch.device(config.device))
-    target = transfer_device(transfer_backend(config.backend_name), torch.device(config.device))
-    generator = torch.Generator(device=config.device).manual_seed(num_tokens)
-    shape = (1, config.kv_heads, num_tokens, config.head_dim)
-
-    def random_half() -> torch.Tensor:
-        values = torch.rand(shape, generator=generator, device=config.device, dtype=torch.float32)
-        return values.to(config.torch_dtype)
-
-    layers = [(random_half(), random_half()) for _ in range(config.layers)]
-    start = clock.now()
-    buf = pack(layers, layout, 0, 0, num_tokens, target)
-    pack_s = clock.now() - start
-    del layers
-
-    dst = torch.empty_like(buf)
-    memcpy_s = []
-    for i in range(config.repeat + 1):
-        start = clock.now()
-        dst.copy_(buf)
-        if i:
-            memcpy_s.append(clock.now() - start)
-    del dst
-
-    num_bytes = buf.numel()
+    buf, pack_s = _packed(config, num_tokens)
+    memcpy = _median(_memcpy_s(run, buf))
     sent_raw = digest([buf])
     sent_kv = digest([t for kv in unpack(buf, layout, num_tokens) for t in kv])
-    shared = space.allocate(num_bytes) if raw is None else None
-    where: dict[str, Any] = {"bytes": num_bytes}
-    if shared is not None:
-        shared.tensor.copy_(buf)
-        if shared.arena_offset is not None:
-            where["offset"] = shared.arena_offset
-            where["instance"] = template.prefill_instance_id
-        else:
-            where["ipc"] = cuda_ipc.export(shared.tensor).SerializeToString().hex()
-    await _set(store, f"size/{num_tokens}", json.dumps(where))
-
-    transfer_s = []
-    for i in range(config.repeat + 1):
-        await _get(store, f"raw/{num_tokens}/{i}/posted")
-        if raw is not None:
-            start = clock.now()
-            await asyncio.wrap_future(raw.send(buf))
-            done = float(await _get(store, f"raw/{num_tokens}/{i}/done"))
-            took = done - start
-        else:  # read in place: the decode's one copy out of the prefill's memory
-            took = float(await _get(store, f"raw/{num_tokens}/{i}/took"))
-        if i:
-            transfer_s.append(took)
-    received_raw = (await _get(store, f"raw/{num_tokens}/digest")).decode()
-    if shared is not None:
-        shared.free()
-
-    hop_s, control_s, data_s = [], [], []
-    received_kv = ""
-    for i in range(config.repeat + 1):
-        parked = space.allocate(num_bytes)
-        parked.tensor.copy_(buf)
-        entry = registry.park(parked, num_tokens)
-        handle = template.issue(entry)
-        last = i == config.repeat
-        sent_at = clock.now()
-        timed = await handoff(handle, metadata=((DIGEST_METADATA, "1"),) if last else None)
-        if i:
-            hop_s.append(timed["received_at"] - sent_at)
-            control_s.append(timed["control_s"])
-            data_s.append(timed["data_s"])
-        if last:
-            received_kv = timed["digest"]
-
-    memcpy, transfer = statistics.median(memcpy_s), statistics.median(transfer_s)
-    hop, control, data = statistics.median(hop_s), statistics.median(control_s), statistics.median(data_s)
+    transfer_s, received_raw = await _raw_s(run, num_tokens, buf)
+    hop_s, control_s, data_s, received_kv = await _handoff_s(run, num_tokens, buf)
+    transfer, hop, control, data = map(_median, (transfer_s, hop_s, control_s, data_s))
+    num_bytes = buf.numel()
     return {
         "tokens": num_tokens,
         "bytes": num_bytes,
@@ -212,6 +161,83 @@ async def _measure(
         "repeat": config.repeat,
         "threads": config.threads,
     }
+
+
+def _packed(config: BenchKvConfig, num_tokens: int) -> tuple[torch.Tensor, float]:
+    """A random cache of ``num_tokens`` packed as a prefill packs one, and the time packing took."""
+    clock = Clock(torch.device(config.device))
+    target = transfer_device(transfer_backend(config.backend_name), torch.device(config.device))
+    generator = torch.Generator(device=config.device).manual_seed(num_tokens)
+    shape = (1, config.kv_heads, num_tokens, config.head_dim)
+
+    def random_half() -> torch.Tensor:
+        values = torch.rand(shape, generator=generator, device=config.device, dtype=torch.float32)
+        return values.to(config.torch_dtype)
+
+    layers = [(random_half(), random_half()) for _ in range(config.layers)]
+    start = clock.now()
+    buf = pack(layers, config.layout(), 0, 0, num_tokens, target)
+    return buf, clock.now() - start
+
+
+def _memcpy_s(run: _Sizes, buf: torch.Tensor) -> list[float]:
+    """Same-process copies of ``buf`` into a warm buffer."""
+    dst = torch.empty_like(buf)
+    times = []
+    for _ in range(run.config.repeat + 1):
+        start = run.clock.now()
+        dst.copy_(buf)
+        times.append(run.clock.now() - start)
+    return times
+
+
+async def _raw_s(run: _Sizes, num_tokens: int, buf: torch.Tensor) -> tuple[list[float], str]:
+    """``buf`` into the decode's warm buffer over the transport: sent over the raw pair, or copied
+    out of the prefill's memory where it lies. Returns the times and the digest that arrived."""
+    shared = run.space.allocate(buf.numel()) if run.raw is None else None
+    where: dict[str, Any] = {"bytes": buf.numel()}
+    if shared is not None:
+        shared.tensor.copy_(buf)
+        if shared.arena_offset is not None:
+            where.update(offset=shared.arena_offset, instance=run.template.prefill_instance_id)
+        else:
+            where["ipc"] = cuda_ipc.export(shared.tensor).SerializeToString().hex()
+    await _set(run.store, f"size/{num_tokens}", json.dumps(where))
+    times = []
+    for i in range(run.config.repeat + 1):
+        await _get(run.store, f"raw/{num_tokens}/{i}/posted")
+        if run.raw is not None:
+            start = run.clock.now()
+            await asyncio.wrap_future(run.raw.send(buf))
+            times.append(float(await _get(run.store, f"raw/{num_tokens}/{i}/done")) - start)
+        else:  # read in place: the decode's one copy out of the prefill's memory
+            times.append(float(await _get(run.store, f"raw/{num_tokens}/{i}/took")))
+    received = (await _get(run.store, f"raw/{num_tokens}/digest")).decode()
+    if shared is not None:
+        shared.free()
+    return times, received
+
+
+async def _handoff_s(
+    run: _Sizes, num_tokens: int, buf: torch.Tensor
+) -> tuple[list[float], list[float], list[float], str]:
+    """Parked KVs handed to the decode through the real path: hop, control and data times, and the
+    digest of the last one as the decode received it."""
+    hop_s, control_s, data_s = [], [], []
+    received = ""
+    for i in range(run.config.repeat + 1):
+        parked = run.space.allocate(buf.numel())
+        parked.tensor.copy_(buf)
+        handle = run.template.issue(run.registry.park(parked, num_tokens))
+        last = i == run.config.repeat
+        sent_at = run.clock.now()
+        timed = await run.handoff(handle, metadata=((DIGEST_METADATA, "1"),) if last else None)
+        hop_s.append(timed["received_at"] - sent_at)
+        control_s.append(timed["control_s"])
+        data_s.append(timed["data_s"])
+        if last:
+            received = timed["digest"]
+    return hop_s, control_s, data_s, received
 
 
 async def _set(store: Any, key: str, value: str | bytes) -> None:
