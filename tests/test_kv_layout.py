@@ -335,3 +335,19 @@ def test_spec_from_proto_rejects_an_unknown_dtype() -> None:
     msg = kv_pb2.TensorSpec(name="layers.0.keys", shape=[1, 2, 3], dtype="float128")
     with pytest.raises(ValueError, match=r"unknown dtype 'float128'"):
         spec_from_proto(msg)
+
+
+def test_unpacking_a_buffer_inside_a_larger_one_reads_its_own_bytes() -> None:
+    """A KV is often a window of a larger buffer (a region of an arena, one handle of a batched
+    receive): its views start where the window does."""
+    layout = KvLayout(keys=((2, 3), (1, 5)), values=((2, 4), (1, 5)), dtype=torch.bfloat16)
+    layers = [
+        (torch.randn(1, h, 7, w).bfloat16(), torch.randn(1, vh, 7, vw).bfloat16())
+        for (h, w), (vh, vw) in zip(layout.keys, layout.values, strict=True)
+    ]
+    alone = pack(layers, layout, 0, 0, 7, CPU)
+    outer = torch.zeros(4096 + alone.numel() + 64, dtype=torch.uint8)
+    outer[4096 : 4096 + alone.numel()] = alone
+    window = outer.narrow(0, 4096, alone.numel())
+    for (k, v), (wk, wv) in zip(layers, unpack(window, layout, 7), strict=True):
+        assert torch.equal(wk, k[0]) and torch.equal(wv, v[0])

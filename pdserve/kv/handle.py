@@ -18,6 +18,7 @@ Lifecycle of a handle:
 
 from __future__ import annotations
 
+import functools
 import secrets
 from dataclasses import dataclass
 from typing import Protocol
@@ -78,7 +79,7 @@ class HandleIssuer:
     rank: int = 0
 
     def issue(self, parked: Parked) -> kv_pb2.KvHandle:
-        return kv_pb2.KvHandle(
+        handle = kv_pb2.KvHandle(
             version=HANDLE_VERSION,
             id=parked.handle_id,
             prefill_address=self.prefill_address,
@@ -87,7 +88,6 @@ class HandleIssuer:
             backend=network_backend(self.place.device),
             model_fingerprint=self.model_fingerprint,
             num_tokens=parked.num_tokens,
-            tensors=[spec.to_proto() for spec in self.layout.tensor_specs(parked.num_tokens)],
             num_bytes=parked.num_bytes,
             expires_at_unix=parked.expires_at_unix,
             rank=self.rank,
@@ -96,6 +96,13 @@ class HandleIssuer:
             device=self.place.device,
             device_uuid=self.place.device_uuid,
         )
+        handle.MergeFrom(self._tensors(parked.num_tokens))
+        return handle
+
+    @functools.lru_cache(maxsize=512)  # noqa: B019 (an issuer lives as long as its prefill)
+    def _tensors(self, num_tokens: int) -> kv_pb2.KvHandle:
+        """A handle holding only the tensor specs of ``num_tokens`` tokens (merged into each one)."""
+        return kv_pb2.KvHandle(tensors=[spec.to_proto() for spec in self.layout.tensor_specs(num_tokens)])
 
 
 def prefill_place(handle: kv_pb2.KvHandle) -> Place:

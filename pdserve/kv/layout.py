@@ -8,6 +8,7 @@ widths). For a request of T tokens the tensors are ``layers.{i}.keys [heads, T, 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,6 +51,14 @@ def spec_from_proto(msg: kv_pb2.TensorSpec) -> TensorSpec:
     return TensorSpec(msg.name, tuple(msg.shape), dtype_from_name(msg.dtype))
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -76,14 +85,29 @@ class KvLayout:
         return len(self.keys)
 
     def tensor_specs(self, num_tokens: int) -> list[TensorSpec]:
+        return list(self._specs(num_tokens))
+
+    @functools.lru_cache(maxsize=512)  # noqa: B019 (the layout is immutable and lives as long as its engine)
+    def _specs(self, num_tokens: int) -> tuple[TensorSpec, ...]:
         specs = []
         for i, ((kh, kw), (vh, vw)) in enumerate(zip(self.keys, self.values, strict=True)):
             specs.append(TensorSpec(f"layers.{i}.keys", (kh, num_tokens, kw), self.dtype))
             specs.append(TensorSpec(f"layers.{i}.values", (vh, num_tokens, vw), self.dtype))
-        return specs
+        return tuple(specs)
 
+    @functools.lru_cache(maxsize=512)  # noqa: B019
     def num_bytes(self, num_tokens: int) -> int:
-        return sum(_aligned(s.num_bytes) for s in self.tensor_specs(num_tokens))
+        return sum(_aligned(s.num_bytes) for s in self._specs(num_tokens))
+
+    @functools.lru_cache(maxsize=512)  # noqa: B019
+    def element_offsets(self, num_tokens: int) -> tuple[int, ...]:
+        """Where each tensor starts in a packed buffer, in elements of the dtype (every offset is a
+        multiple of ``ALIGN`` bytes, so of the element size)."""
+        offsets, offset = [], 0
+        for spec in self._specs(num_tokens):
+            offsets.append(offset // self.dtype.itemsize)
+            offset += _aligned(spec.num_bytes)
+        return tuple(offsets)
 
     def bytes_per_token(self) -> int:
         return sum(s.num_bytes for s in self.tensor_specs(1))
@@ -126,10 +150,12 @@ def unpack(buf: torch.Tensor, layout: KvLayout, num_tokens: int) -> list[tuple[t
             f"buffer must be 1-D uint8 of {layout.num_bytes(num_tokens)} bytes, "
             f"got {buf.dtype} {tuple(buf.shape)}"
         )
-    views: list[torch.Tensor] = []
-    offset = 0
-    for spec in layout.tensor_specs(num_tokens):
-        n = spec.num_bytes
-        views.append(buf[offset : offset + n].view(spec.dtype).view(spec.shape))
-        offset += _aligned(n)
+    flat = buf.view(layout.dtype)  # one view, then each tensor a strided window of it
+    base = flat.storage_offset()  # as_strided counts from the start of the storage
+    views = [
+        flat.as_strided(spec.shape, _contiguous_strides(spec.shape), base + offset)
+        for spec, offset in zip(
+            layout.tensor_specs(num_tokens), layout.element_offsets(num_tokens), strict=True
+        )
+    ]
     return [(views[i], views[i + 1]) for i in range(0, len(views), 2)]

@@ -28,6 +28,7 @@ from typing import Any
 from pdserve.bench.kv.config import BenchKvConfig
 from pdserve.config import flags
 from pdserve.core.nccl import configure_error_handling
+from pdserve.rpc.server import event_loop_factory
 
 FIELDS = (
     ("tokens", "tokens", "{:d}"),
@@ -63,7 +64,8 @@ def run_bench_kv(args: argparse.Namespace) -> int:
     from pdserve.bench.kv.sender import run
 
     configure_error_handling()  # the peer process inherits it
-    asyncio.run(run(config, emit))
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # the services' event loop
+        runner.run(run(config, emit))
     if not config.json:
         print(format_table(config, results))
     return 0 if all(r["intact"] for r in results) else 1

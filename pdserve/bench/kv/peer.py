@@ -35,6 +35,7 @@ from pdserve.kv.channel import DECODE_RANK, PairChannel, transfer_device
 from pdserve.kv.rendezvous import connect_store
 from pdserve.kv.shared_memory import ArenaReader, host_id
 from pdserve.kv.transports import NETWORK, SAME_HOST
+from pdserve.rpc.server import event_loop_factory
 from pdserve.v1 import kv_pb2
 
 FINGERPRINT = "pdserve-bench-kv"
@@ -64,7 +65,8 @@ def digest(tensors: Sequence[torch.Tensor]) -> str:
 
 def run_peer(config: BenchKvConfig, rendezvous: str) -> None:
     torch.set_num_threads(config.threads)
-    asyncio.run(_serve(config, rendezvous))
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # the services' event loop
+        runner.run(_serve(config, rendezvous))
 
 
 def transfer_backend(backend: str) -> str:
