@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.config.checks import MAX_PORT
+
 PORTS_PER_RANK = 4
-MAX_PORT = 65535
 
 
 @dataclass(frozen=True)
