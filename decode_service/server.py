@@ -1,6 +1,6 @@
 """Starts a decode process: model, engine thread, KV puller, gRPC and metrics servers.
 
-On SIGTERM it reports NOT_SERVING, refuses new Decode calls and lets the streams in flight finish
+On SIGTERM it reports NOT_SERVING, refuses new Decode and DecodeMany calls and lets the streams in flight finish
 within the grace period, then stops the engine and exits.
 """
 

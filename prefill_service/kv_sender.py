@@ -1,14 +1,14 @@
 """The prefill side of the KV handoff: one transfer pair per decode process, built on demand.
 
 Lifecycle of a pull:
-1. a decode calls PullKv(handle, decode instance, pair generation);
+1. a decode calls PullKvMany(handles, decode instance, pair generation) (PullKv: one handle);
 2. a generation this prefill already tore down for that decode is refused (``StaleGeneration``)
    before the handle is touched: the decode moves to a newer generation and asks again;
 3. the handle is taken out of the registry (a later pull or release finds nothing);
 4. if this decode's pair has another generation or is broken, it is closed and a new one is made
    under the decode's generation (the decode makes its side under the same store prefix);
-5. the send is posted on the pair, after every earlier send to that decode, and PullKv returns
-   (the KVs of one PullKvMany go as one send of their buffers concatenated);
+5. the send is posted on the pair, after every earlier send to that decode, and the call returns
+   (the KVs of one call go as one send of their buffers concatenated);
 6. the send completes, or fails at its bounded timeout (at once when the decode's process died),
    and the buffer is dropped: the KV is freed. A failed send tears the pair down at once (its
    group and thread go) and retires its generation; the decode's next pull builds a new one.

@@ -1,7 +1,7 @@
 """Starts a prefill process: model, rendezvous store, registry, engine, gRPC and metrics servers.
 
 Lifecycle of the process: load the model -> host the KV rendezvous store -> serve (announce the
-ready line) -> on SIGTERM report NOT_SERVING, refuse new Prefill calls, keep serving PullKv and
+ready line) -> on SIGTERM report NOT_SERVING, refuse new Prefill calls, keep serving PullKvMany and
 ReleaseKv until what is parked has been pulled, released or has expired and every send has ended
 (or the grace period is over), then free the rest and exit.
 """

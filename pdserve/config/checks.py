@@ -7,26 +7,27 @@ import re
 
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 DNS_SCHEME = "dns:///"
+MAX_PORT = 65535
 
 
 def check_port(name: str, value: int, *, off: int | None = None) -> None:
     """A TCP port to bind: 0 picks a free one; ``off`` (e.g. -1) is also allowed and turns it off."""
     if off is not None and value == off:
         return
-    if not 0 <= value <= 65535:
+    if not 0 <= value <= MAX_PORT:
         if off is not None:
             raise ValueError(
-                f"{name} must be {off} (off) or in [0, 65535] (0 picks a free port), got {value}"
+                f"{name} must be {off} (off) or in [0, {MAX_PORT}] (0 picks a free port), got {value}"
             )
-        raise ValueError(f"{name} must be in [0, 65535] (0 picks a free port), got {value}")
+        raise ValueError(f"{name} must be in [0, {MAX_PORT}] (0 picks a free port), got {value}")
 
 
 def check_address(name: str, value: str) -> None:
     """HOST:PORT of another process (the port must be a real one)."""
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= MAX_PORT:
         raise ValueError(
-            f"{name} addresses must look like HOST:PORT with a port in [1, 65535], got {value!r}"
+            f"{name} addresses must look like HOST:PORT with a port in [1, {MAX_PORT}], got {value!r}"
         )
 
 

@@ -3,7 +3,7 @@
 With a base B (``--ep-port-base``; 0 keeps every internal port free-chosen), rank r owns the block
 ``[B + 4r, B + 4r + 4)``:
 - ``B + 4r``: the rank's internal gRPC server (Prefill/Decode calls handed over by rank 0, and the
-  PullKv calls of decodes, which reach the rank holding the KV directly);
+  PullKvMany calls of decodes, which reach the rank holding the KV directly);
 - ``B + 4r + 1``: the rank's KV rendezvous store (prefill and colocated ranks); on rank 0, which
   serves ``--kv-port``, the group's own store instead;
 - ``B + 4r + 2``: the rank's metrics (rank 0 serves ``--metrics-port``);
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.config.checks import MAX_PORT
+
 PORTS_PER_RANK = 4
-MAX_PORT = 65535
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """When a request ends, and why: the rules every stage applies to the tokens it samples.
 
 1. Token rules, on ids, judged by whoever samples the token (the prefill for the first token, the
-   decode for every later one): the model's end-of-sequence token (unless ``ignore_eos``) ends it
-   with ``eos``, a token of ``stop_token_ids`` with ``stop`` (the token is returned), and the
+   decode for every later one; a decode given a request already complete at its first token ends
+   it without running it): the model's end-of-sequence token (unless ``ignore_eos``) ends it with
+   ``eos``, a token of ``stop_token_ids`` with ``stop`` (the token is returned), and the
    ``max_tokens``-th token with ``length``.
 2. Stop strings, on text, judged by the gateway over the whole stream (``gateway.stop_strings``):
    the text is cut right before the first stop string, wherever tokens split it.

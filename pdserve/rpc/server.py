@@ -3,8 +3,9 @@
 Every service gets standard health checking (``grpc.health.v1``) and reflection. On SIGTERM or
 SIGINT the service drains:
 1. health reports NOT_SERVING at once (health and reflection keep answering while it drains);
-2. new calls of its work methods (Generate, Prefill, Decode) are refused with UNAVAILABLE, while
-   other methods keep serving, so a prefill still hands out the KV it parked before (PullKv);
+2. new calls of its work methods (Generate, Prefill, Decode, DecodeMany) are refused with
+   UNAVAILABLE, while other methods keep serving, so a prefill still hands out the KV it parked
+   before (PullKvMany);
 3. it waits until the work calls in flight have ended and the service reports nothing else busy
    (parked KV, sends in flight), or until the grace period ends;
 4. streams still running then end with UNAVAILABLE at their next message (the caller may retry

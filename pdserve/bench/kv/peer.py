@@ -105,11 +105,11 @@ async def _serve(config: BenchKvConfig, rendezvous: str) -> None:
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, {method: handler})])
     port = server.add_insecure_port(f"{config.host}:0")
     await server.start()
-    await _set(store, "peer/address", f"{config.host}:{port}")
+    await store_set(store, "peer/address", f"{config.host}:{port}")
     try:
         for num_tokens in config.token_counts:
             await _receive_raw(config, store, raw, shm_dir, num_tokens, Clock(device))
-        await _get(store, "finished")
+        await store_get(store, "finished")
     finally:
         if raw is not None:
             raw.close()
@@ -157,7 +157,7 @@ async def _receive_raw(
 ) -> None:
     """One size into a warm buffer, each run timed: received over the raw pair, or copied out of the
     prefill's memory where it lies; then the digest of what arrived."""
-    size = json.loads(await _get(store, f"size/{num_tokens}"))
+    size = json.loads(await store_get(store, f"size/{num_tokens}"))
     device = torch.device(config.receiver_device)
     target = transfer_device(transfer_backend(config.backend_name), device) if raw is not None else device
     warm = torch.empty(size["bytes"], dtype=torch.uint8, device=target)
@@ -165,15 +165,15 @@ async def _receive_raw(
     for i in range(config.repeat + 1):
         if raw is not None:
             future: concurrent.futures.Future[None] = raw.recv(warm)
-            await _set(store, f"raw/{num_tokens}/{i}/posted", "1")
+            await store_set(store, f"raw/{num_tokens}/{i}/posted", "1")
             await asyncio.wrap_future(future)
-            await _set(store, f"raw/{num_tokens}/{i}/done", str(clock.now()))
+            await store_set(store, f"raw/{num_tokens}/{i}/done", str(clock.now()))
         elif source is not None:
-            await _set(store, f"raw/{num_tokens}/{i}/posted", "1")
+            await store_set(store, f"raw/{num_tokens}/{i}/posted", "1")
             start = clock.now()
             warm.copy_(source)
-            await _set(store, f"raw/{num_tokens}/{i}/took", str(clock.now() - start))
-    await _set(store, f"raw/{num_tokens}/digest", digest([warm]))
+            await store_set(store, f"raw/{num_tokens}/{i}/took", str(clock.now() - start))
+    await store_set(store, f"raw/{num_tokens}/digest", digest([warm]))
 
 
 def _lent_source(size: dict[str, Any], shm_dir: Path, config: BenchKvConfig) -> torch.Tensor:
@@ -184,10 +184,12 @@ def _lent_source(size: dict[str, Any], shm_dir: Path, config: BenchKvConfig) -> 
     return cuda_ipc.open_buffer(message, torch.device(config.device).index or 0)
 
 
-async def _set(store: Any, key: str, value: str | bytes) -> None:
+async def store_set(store: Any, key: str, value: str | bytes) -> None:
+    """``store.set`` off the event loop (both sides of the benchmark use the rendezvous store)."""
     await asyncio.to_thread(store.set, key, value)
 
 
-async def _get(store: Any, key: str) -> bytes:
+async def store_get(store: Any, key: str) -> bytes:
+    """``store.get`` off the event loop: waits for ``key`` up to the store's timeout."""
     value: bytes = await asyncio.to_thread(store.get, key)
     return value

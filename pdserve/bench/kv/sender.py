@@ -29,6 +29,8 @@ from pdserve.bench.kv.peer import (
     Clock,
     digest,
     run_peer,
+    store_get,
+    store_set,
     transfer_backend,
 )
 from pdserve.kv import cuda_ipc
@@ -86,14 +88,14 @@ async def run(config: BenchKvConfig, emit: Callable[[dict[str, Any]], None]) -> 
     raw = None
     if backend in NETWORK:
         raw = PairChannel(store, RAW_PREFIX, PREFILL_RANK, backend, device, config.host, timeout)
-    peer_channel = grpc.aio.insecure_channel((await _get(store, "peer/address")).decode())
+    peer_channel = grpc.aio.insecure_channel((await store_get(store, "peer/address")).decode())
     handoff = peer_channel.unary_unary(
         HANDOFF_METHOD, request_serializer=kv_pb2.KvHandle.SerializeToString, response_deserializer=json.loads
     )
     try:
         for num_tokens in config.token_counts:
             emit(await _measure(_Sizes(config, store, raw, space, registry, template, handoff), num_tokens))
-        await _set(store, "finished", "1")
+        await store_set(store, "finished", "1")
     finally:
         if raw is not None:
             raw.close()
@@ -202,17 +204,17 @@ async def _raw_s(run: _Sizes, num_tokens: int, buf: torch.Tensor) -> tuple[list[
             where.update(offset=shared.arena_offset, instance=run.template.prefill_instance_id)
         else:
             where["ipc"] = cuda_ipc.export(shared.tensor).SerializeToString().hex()
-    await _set(run.store, f"size/{num_tokens}", json.dumps(where))
+    await store_set(run.store, f"size/{num_tokens}", json.dumps(where))
     times = []
     for i in range(run.config.repeat + 1):
-        await _get(run.store, f"raw/{num_tokens}/{i}/posted")
+        await store_get(run.store, f"raw/{num_tokens}/{i}/posted")
         if run.raw is not None:
             start = run.clock.now()
             await asyncio.wrap_future(run.raw.send(buf))
-            times.append(float(await _get(run.store, f"raw/{num_tokens}/{i}/done")) - start)
+            times.append(float(await store_get(run.store, f"raw/{num_tokens}/{i}/done")) - start)
         else:  # read in place: the decode's one copy out of the prefill's memory
-            times.append(float(await _get(run.store, f"raw/{num_tokens}/{i}/took")))
-    received = (await _get(run.store, f"raw/{num_tokens}/digest")).decode()
+            times.append(float(await store_get(run.store, f"raw/{num_tokens}/{i}/took")))
+    received = (await store_get(run.store, f"raw/{num_tokens}/digest")).decode()
     if shared is not None:
         shared.free()
     return times, received
@@ -238,12 +240,3 @@ async def _handoff_s(
         if last:
             received = timed["digest"]
     return hop_s, control_s, data_s, received
-
-
-async def _set(store: Any, key: str, value: str | bytes) -> None:
-    await asyncio.to_thread(store.set, key, value)
-
-
-async def _get(store: Any, key: str) -> bytes:
-    value: bytes = await asyncio.to_thread(store.get, key)
-    return value
