@@ -19,6 +19,7 @@ from typing import cast
 import grpc
 from pydantic import BaseModel
 
+from gateway.admission import Admission
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import as_openai_error
 from gateway.openai_models import (
@@ -80,16 +81,23 @@ class Totals:
 
 
 async def observed(
-    flow: RequestFlow, metrics: GatewayMetrics, request: gateway_pb2.GenerateRequest, params: SamplingParams
+    flow: RequestFlow,
+    metrics: GatewayMetrics,
+    admission: Admission,
+    request: gateway_pb2.GenerateRequest,
+    params: SamplingParams,
+    deadline: float | None = None,
 ) -> Responses:
-    """The flow's responses, counted in the gateway's metrics as the gRPC API counts them."""
+    """The flow's responses, admitted and counted in the gateway's metrics as the gRPC API does."""
     metrics.requests.inc()
     metrics.in_flight.inc()
     try:
-        async with contextlib.aclosing(cast(Responses, flow.generate(request, params))) as responses:
-            async for response in responses:
-                metrics.generated_tokens.inc(len(response.token_ids))
-                yield response
+        with admission.enter():
+            generated = cast(Responses, flow.generate(request, params, deadline))
+            async with contextlib.aclosing(generated) as responses:
+                async for response in responses:
+                    metrics.generated_tokens.inc(len(response.token_ids))
+                    yield response
     except ValueError:
         metrics.failed.labels("INVALID_ARGUMENT").inc()
         raise
