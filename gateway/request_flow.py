@@ -250,9 +250,10 @@ class RequestFlow:
         failed = list(avoid)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             prefill = await self._pick(self._prefills, failed, delivered)
+            timeout = deadline.remaining(delivered)
             prefill.outstanding += 1
             sent_at = timer.now()
-            call = prefill.stub.Prefill(request, timeout=deadline.remaining(delivered))
+            call = prefill.stub.Prefill(request, timeout=timeout)
             try:
                 response = await _guarded(prefill.health, call, call, f"prefill {prefill.address}")
                 return prefill, response, sent_at
@@ -287,6 +288,7 @@ class RequestFlow:
         deadline: Deadline,
     ) -> MuxedRequest:
         """Sends one decode attempt to ``decode``; ``_decode`` reads it, ``_end`` ends it."""
+        timeout_s = deadline.remaining(delivered=1) or 0.0
         decode.outstanding += 1
         self._metrics.decode_calls.inc()
         return self._mux(decode).start(
@@ -295,7 +297,7 @@ class RequestFlow:
                 kv_handle=parked.handle,
                 first_token_id=first.first_token_id,
                 sampling=sampling,
-                timeout_s=deadline.remaining(delivered=1) or 0.0,
+                timeout_s=timeout_s,
             )
         )
 
