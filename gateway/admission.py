@@ -1,7 +1,7 @@
 """The gateway's bound on the requests it serves at once (``--max-in-flight``).
 
-A request enters before any other work (after its cheap input checks) and leaves when it ends in
-any way. One more than the bound is refused at once with RESOURCE_EXHAUSTED (HTTP 429 with
+A request takes a place before any other work (after its cheap input checks: before tokenizing or
+templating) and gives it back when it ends in any way. One more than the bound is refused at once with RESOURCE_EXHAUSTED (HTTP 429 with
 ``Retry-After``): the gateway never queues work it cannot start.
 """
 
@@ -24,6 +24,18 @@ class Overloaded(RpcError):
         self.retry_after_s = retry_after_s
 
 
+class Place:
+    """One admitted request's place; ``release`` gives it back (once, however often it is called)."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission: Admission | None = admission
+
+    def release(self) -> None:
+        if self._admission is not None:
+            self._admission.admitted -= 1
+            self._admission = None
+
+
 class Admission:
     def __init__(self, max_in_flight: int, retry_after_s: int, metrics: GatewayMetrics) -> None:
         self.max_in_flight = max_in_flight
@@ -35,6 +47,14 @@ class Admission:
     @contextlib.contextmanager
     def enter(self) -> Iterator[None]:
         """Holds one place while the block runs; raises Overloaded when every place is taken."""
+        place = self.take()
+        try:
+            yield
+        finally:
+            place.release()
+
+    def take(self) -> Place:
+        """One place, to be released; raises Overloaded when every place is taken."""
         if self.admitted >= self.max_in_flight:
             self._metrics.shed.labels("gateway").inc()
             raise Overloaded(
@@ -43,7 +63,4 @@ class Admission:
                 self.retry_after_s,
             )
         self.admitted += 1
-        try:
-            yield
-        finally:
-            self.admitted -= 1
+        return Place(self)

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
-from gateway.admission import Admission
+from gateway.admission import Admission, Place
 from gateway.api_key import ApiKeyGate
 from gateway.body_limit import BodyLimit
 from gateway.http_responses import SseResponse, unless_disconnected
@@ -126,19 +126,32 @@ class OpenAIApi:
         except ValueError as exc:
             raise from_value_error(exc) from exc
         params = sampling_params(body, completion_max_tokens(body))
-        return await self._respond(raw, body, meta, request, params, completion_events, completion)
+        place = self._admission.take()
+        try:
+            return await self._respond(raw, body, meta, request, params, completion_events, completion, place)
+        except BaseException:
+            place.release()  # a response that streams gives it back when its stream ends
+            raise
 
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._admit(body)
         meta = ResponseMeta.new("chatcmpl", self._model_id)
         try:
             self._inputs.check_texts("messages", [m.text() for m in body.messages])
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        place = self._admission.take()  # before templating: an overloaded gateway does none
+        try:
             ids = await self._prompts.off_loop(lambda: self._chat.token_ids(body.messages))
             params = sampling_params(body, chat_max_tokens(body, len(ids), self._limits.max_model_len))
             request = gateway_pb2.GenerateRequest(request_id=meta.id, prompt_token_ids=ids)
-            return await self._respond(raw, body, meta, request, params, chat_events, chat_completion)
+            return await self._respond(raw, body, meta, request, params, chat_events, chat_completion, place)
         except ValueError as exc:
+            place.release()
             raise from_value_error(exc, {"prompt": "messages", **max_tokens_param(body)}) from exc
+        except BaseException:
+            place.release()  # a response that streams gives it back when its stream ends
+            raise
 
     async def models(self) -> JSONResponse:
         return JSONResponse(ModelList(data=[self._card()]).model_dump())
@@ -178,9 +191,10 @@ class OpenAIApi:
         params: SamplingParams,
         events: EventsFn,
         whole: BodyFn,
+        place: Place,
     ) -> Response:
         deadline = request_deadline(body.timeout, raw.headers.get("x-request-timeout"))
-        responses = observed(self._flow, self._metrics, self._admission, request, params, deadline)
+        responses = observed(self._flow, self._metrics, place, request, params, deadline)
         if body.stream:
             first = await first_response(responses)
             include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -22,6 +22,7 @@ from tests.stack import Stack, scrape, wait_for
 
 MAX_IN_FLIGHT = 4
 RETRY_AFTER_S = 2
+PREFILL_WAITING = 2
 LONG = 600  # tokens: 603 positions, 38 of the pool's 64 blocks
 
 
@@ -31,6 +32,7 @@ def stack(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "tiny-llama",
         cache_dir,
         tmp_path_factory.mktemp("overload-logs"),
+        prefill_args=["--max-prefill-waiting", str(PREFILL_WAITING)],
         decode_args=["--max-running", "4", "--max-kv-tokens", "1024", "--context-idle-s", "0.5"],
         gateway_args=[
             "--http-port",
@@ -65,9 +67,13 @@ def http_completion(stack: Stack, body: dict[str, object]) -> tuple[int, dict[st
     )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, dict(response.headers), json.loads(response.read())
+            return (
+                response.status,
+                {k.lower(): v for k, v in response.headers.items()},
+                json.loads(response.read()),
+            )
     except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), json.loads(error.read())
+        return error.code, {k.lower(): v for k, v in error.headers.items()}, json.loads(error.read())
 
 
 def decode_metric(stack: Stack, name: str) -> float:
@@ -93,7 +99,7 @@ def test_a_full_gateway_answers_at_once_with_resource_exhausted_and_429(stack: S
                 http_completion, stack, {"prompt": "hi", "max_tokens": 2}
             )
             assert status == 429, body
-            assert headers.get("Retry-After") == str(RETRY_AFTER_S)
+            assert headers.get("retry-after") == str(RETRY_AFTER_S)
             assert body["error"]["code"] == "overloaded"  # type: ignore[index]
             assert time.monotonic() - started < 5.0  # answered at once, not queued behind the streams
         finally:
@@ -179,3 +185,34 @@ def test_the_batch_context_is_freed_after_a_burst(stack: Stack) -> None:
     held = asyncio.run(burst())
     assert held > 0
     assert wait_for(lambda: decode_metric(stack, "pdserve_decode_batch_context_bytes") == 0, timeout_s=10)
+
+
+def test_a_full_prefill_queue_answers_at_once_with_resource_exhausted(stack: Stack) -> None:
+    """Prefill calls (complete at their first token: nothing parked) beyond the queue bound."""
+    from pdserve.v1 import prefill_pb2, prefill_pb2_grpc, sampling_pb2
+
+    request = prefill_pb2.PrefillRequest(
+        request_id="burst",
+        prompt_token_ids=[(7 * i) % 500 + 1 for i in range(2000)],
+        sampling=sampling_pb2.SamplingParams(max_tokens=1, temperature=0.0),
+    )
+
+    async def burst() -> list[grpc.StatusCode]:
+        async with grpc.aio.insecure_channel(stack.prefills[0].grpc) as channel:
+            stub = prefill_pb2_grpc.PrefillStub(channel)
+
+            async def one() -> grpc.StatusCode:
+                try:
+                    await stub.Prefill(request, timeout=60)
+                    return grpc.StatusCode.OK
+                except grpc.aio.AioRpcError as exc:
+                    assert "prefill queue is full" in (exc.details() or ""), exc.details()
+                    return exc.code()
+
+            return list(await asyncio.gather(*(one() for _ in range(12))))
+
+    codes = asyncio.run(burst())
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    assert codes.count(grpc.StatusCode.OK) >= 1 + PREFILL_WAITING
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+    assert scrape(stack.prefills[0].metrics)["pdserve_prefill_shed_total"] >= 1
