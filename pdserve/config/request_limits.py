@@ -38,7 +38,7 @@ class RequestLimits:
         metadata={"help": "largest HTTP request body (413 beyond) and gRPC request message"},
     )
     max_in_flight: int = field(
-        default=1024,
+        default=256,
         metadata={"help": "most requests the gateway serves at once; more are refused at once (429)"},
     )
     retry_after_s: int = field(
