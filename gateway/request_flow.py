@@ -23,6 +23,12 @@ per stage, the request runs again:
   from its prefill: the new prefill is another one, and the same decode may run it.
 Once decode tokens have reached the client, the stream ends with UNAVAILABLE and a message saying
 how many tokens were delivered.
+
+Overload and deadlines. A prefill that answers RESOURCE_EXHAUSTED (its queue is full) is left for
+another prefill not tried yet; with none left, and for a full decode, the request is shed to the
+client with RESOURCE_EXHAUSTED. A request's deadline, when it has one, bounds every backend call
+(the time left is the Prefill call's timeout and the DecodeRequest's ``timeout_s``); once it has
+passed, the request ends with DEADLINE_EXCEEDED and is not run again.
 """
 
 from __future__ import annotations
