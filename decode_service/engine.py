@@ -8,6 +8,8 @@ Lifecycle of a request here:
    forward and samples a token for each, and the scheduler absorbs the tokens: each goes to its
    request's stream at once, and a finished request leaves and frees its blocks;
 4. a failed step ends every request it ran with the error; a stopped engine ends every request.
+Once nothing has run for ``context_idle_s``, the runner's batch context is freed (a burst's memory
+goes back; the next step allocates it anew).
 
 ``warm_up`` (``--compile``, before the service is ready) runs real steps, on the engine thread, of
 dummy sequences of zero KV through a scheduler of their own over the same pool and runner: one
@@ -44,13 +46,22 @@ WARM_UP_STEPS = 3
 
 class DecodeEngine:
     def __init__(
-        self, engine_model: EngineModel, metrics: DecodeMetrics, max_running: int, pool: KvPool
+        self,
+        engine_model: EngineModel,
+        metrics: DecodeMetrics,
+        max_running: int,
+        pool: KvPool,
+        max_bypass: int = 0,
+        context_idle_s: float = 10.0,
     ) -> None:
         self._m = engine_model
         self._metrics = metrics
         self._pool = pool
         self._runner = StepRunner(engine_model, pool, max_running)
-        self._scheduler = Scheduler(pool, max_running, engine_model.limits.eos_token_ids)
+        self._scheduler = Scheduler(pool, max_running, engine_model.limits.eos_token_ids, max_bypass)
+        self._context_idle_s = context_idle_s
+        self._idle_since: float | None = None
+        self._counted = (0, 0)  # the scheduler's bypassed and expired counts already in the metrics
         self._serials = itertools.count()
         self._inbox: queue.SimpleQueue[DecodeSequence | WarmUp | None] = queue.SimpleQueue()
         self._warm_ups: collections.deque[WarmUp] = collections.deque()
@@ -59,6 +70,7 @@ class DecodeEngine:
         metrics.running.set_function(lambda: len(self._scheduler.running))
         metrics.waiting.set_function(lambda: len(self._scheduler.waiting) + self._inbox.qsize())
         metrics.kv_blocks_used.set_function(lambda: pool.num_used_blocks)
+        metrics.batch_context_bytes.set_function(lambda: self._runner.context_bytes)
 
     def start(self) -> None:
         self._thread.start()
@@ -83,6 +95,11 @@ class DecodeEngine:
     def num_running(self) -> int:
         return len(self._scheduler.running)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted (their KV pulled) and not yet running."""
+        return len(self._scheduler.waiting) + self._inbox.qsize()
+
     def fits_ever(self, num_tokens: int) -> bool:
         return self._pool.blocks_for(num_tokens) <= self._pool.num_blocks
 
@@ -104,14 +121,31 @@ class DecodeEngine:
             while self._warm_ups:
                 self._warm_ups.popleft().run(self._warm_up)
             rows = self._scheduler.schedule()
+            self._count_scheduling()
             if rows:
+                self._idle_since = None
                 self._timed_step(rows)
             else:
                 self._runner.clear()
+                self._release_when_idle()
         self._receive(block=False)
         self._scheduler.abandon(RuntimeError("decode engine stopped"))
         for request in self._warm_ups:
             request.abandon("the decode engine stopped")
+
+    def _count_scheduling(self) -> None:
+        bypassed, expired = self._scheduler.num_bypassed, self._scheduler.num_expired
+        self._metrics.bypassed.inc(bypassed - self._counted[0])
+        self._metrics.deadline_expired.inc(expired - self._counted[1])
+        self._counted = (bypassed, expired)
+
+    def _release_when_idle(self) -> None:
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        if now - self._idle_since >= self._context_idle_s and self._runner.context_bytes:
+            self._runner.release()
+            logger.debug("decode idle for %.1f s: batch context freed", now - self._idle_since)
 
     def _receive(self, block: bool) -> None:
         try:

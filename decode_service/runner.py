@@ -46,6 +46,14 @@ class StepRunner:
         """Forgets the rows of the batch context (nothing runs, or other rows will)."""
         self._context.clear()
 
+    def release(self) -> None:
+        """Forgets the rows and frees the batch context's memory."""
+        self._context.release()
+
+    @property
+    def context_bytes(self) -> int:
+        return self._context.num_bytes
+
     def _arrange(self, rows: Sequence[DecodeSequence]) -> list[DecodeSequence]:
         """Syncs the batch context to ``rows``; the rows in the context's order."""
         order = self._context.sync(

@@ -5,33 +5,44 @@ Lifecycle of a request in the scheduler:
 2. ``schedule`` admits it once the running set has room (``max_running``) and the pool can reserve
    every block it may need (prompt + max_tokens - 1 positions): its KV is copied into its own
    blocks and it joins the running set. A full pool makes it wait, not fail; one complete at its
-   first token is answered there without running; a cancelled one is dropped;
+   first token is answered there without running; a cancelled one is dropped; one whose deadline
+   passed ends with ``DeadlineExpired``. When the first in line does not fit the pool, later ones
+   that fit are admitted past it (a short request is not stuck behind a long one), but only
+   ``max_bypass`` times (0: never, strictly first come first served): then the line waits for it,
+   so that the pool drains for the long one;
 3. ``absorb`` takes a step's sampled token of each running request, hands it to the request at
    once and ends the request when ``finish_reason`` says so;
 4. it leaves the running set, freeing its blocks (``_leave``, the only place that frees them), the
-   step it finishes, the step after it is cancelled, or when it fails (``fail``, ``abandon``).
+   step it finishes, the step after it is cancelled or its deadline passed, or when it fails
+   (``fail``, ``abandon``).
 """
 
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Collection
 
 from decode_service.kv_pool import KvPool
 from decode_service.runner import StepOutput
-from decode_service.sequence import DecodeSequence, Emission, deliver
+from decode_service.sequence import DeadlineExpired, DecodeSequence, Emission, deliver
 from pdserve.core.finish import finish_reason
 
 
 class Scheduler:
-    def __init__(self, pool: KvPool, max_running: int, eos_token_ids: Collection[int]) -> None:
+    def __init__(
+        self, pool: KvPool, max_running: int, eos_token_ids: Collection[int], max_bypass: int = 0
+    ) -> None:
         if max_running < 1:
             raise ValueError(f"a scheduler needs room to run, got max_running={max_running}")
         self._pool = pool
         self._max_running = max_running
         self._eos_token_ids = eos_token_ids
+        self._max_bypass = max_bypass
         self.waiting: collections.deque[DecodeSequence] = collections.deque()
         self.running: list[DecodeSequence] = []
+        self.num_bypassed = 0  # admissions past a first in line that did not fit
+        self.num_expired = 0  # requests ended because their deadline passed
 
     @property
     def is_idle(self) -> bool:
@@ -43,9 +54,14 @@ class Scheduler:
     def schedule(self) -> list[DecodeSequence]:
         """Admits the waiting requests that fit and drops the cancelled running ones; returns the
         rows of the next step (none: nothing to run)."""
-        self._admit()
+        now = time.monotonic()
+        self._admit(now)
         for seq in [s for s in self.running if s.cancelled.is_set()]:
             self._leave(seq)
+        expired = [s for s in self.running if s.expired(now)]
+        for seq in expired:
+            self._leave(seq)
+        self._expire(expired)
         return list(self.running)
 
     def absorb(self, output: StepOutput) -> None:
@@ -77,21 +93,54 @@ class Scheduler:
         self.waiting.clear()
         deliver([Emission(seq, error=error) for seq in held])
 
-    def _admit(self) -> None:
+    def _admit(self, now: float) -> None:
+        self._drop_ended(now)
+        head: DecodeSequence | None = None  # the first in line, when it does not fit
+        kept: collections.deque[DecodeSequence] = collections.deque()
         while self.waiting and len(self.running) < self._max_running:
-            seq = self.waiting[0]
+            seq = self.waiting.popleft()
+            if self._pool.can_allocate(seq.max_cached_tokens()):
+                self._join(seq)
+                if head is not None:
+                    head.bypassed += 1
+                    self.num_bypassed += 1
+                continue
+            kept.append(seq)
+            if head is None:
+                head = seq
+            if head.bypassed >= self._max_bypass:
+                break  # no more requests past it: the pool drains until it fits
+        kept.extend(self.waiting)
+        self.waiting = kept
+
+    def _drop_ended(self, now: float) -> None:
+        """Drops the waiting requests that are cancelled, expired, or complete at their first token."""
+        if not self.waiting:
+            return
+        left: collections.deque[DecodeSequence] = collections.deque()
+        expired: list[DecodeSequence] = []
+        finished: list[Emission] = []
+        for seq in self.waiting:
             if seq.cancelled.is_set():
-                self.waiting.popleft().drop_kv()
-                continue
-            reason = finish_reason(seq.first_token_id, 1, seq.params, self._eos_token_ids)
-            if reason is not None:
-                self.waiting.popleft().drop_kv()
-                deliver([Emission(seq, finish_reason=reason)])
-                continue
-            if not self._pool.can_allocate(seq.max_cached_tokens()):
-                return  # first come, first served: wait until running requests free blocks
-            self.waiting.popleft()
-            self._join(seq)
+                seq.drop_kv()
+            elif seq.expired(now):
+                seq.drop_kv()
+                expired.append(seq)
+            elif (
+                reason := finish_reason(seq.first_token_id, 1, seq.params, self._eos_token_ids)
+            ) is not None:
+                seq.drop_kv()
+                finished.append(Emission(seq, finish_reason=reason))
+            else:
+                left.append(seq)
+        self.waiting = left
+        deliver(finished)
+        self._expire(expired)
+
+    def _expire(self, expired: list[DecodeSequence]) -> None:
+        if expired:
+            self.num_expired += len(expired)
+            deliver([Emission(seq, error=DeadlineExpired()) for seq in expired])
 
     def _join(self, seq: DecodeSequence) -> None:
         """Reserves every block ``seq`` may need and copies its received KV into them."""

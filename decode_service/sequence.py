@@ -21,6 +21,14 @@ from pdserve.core.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+
+class DeadlineExpired(Exception):
+    """The request's deadline passed before it finished."""
+
+    def __init__(self) -> None:
+        super().__init__("the request's deadline passed in decode")
+
+
 # Called with each emission of a sequence: on its event loop when it names one, else on the engine thread.
 EmitFn = Callable[["Emission"], None]
 
@@ -43,6 +51,8 @@ class DecodeSequence:
     loop: asyncio.AbstractEventLoop | None = None
     # Gives the pulled KV's memory back once it is copied (a KV lent by a prefill of this host).
     release_kv: Callable[[], None] = field(default=lambda: None, repr=False)
+    deadline: float | None = None  # time.monotonic(); None: none
+    bypassed: int = 0  # admissions of later requests while this one, first in line, did not fit
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -52,6 +62,9 @@ class DecodeSequence:
         self.kv = ()
         release, self.release_kv = self.release_kv, lambda: None
         release()
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -88,9 +88,14 @@ def build_decode(
         engine_model.device,
     )
     metrics.kv_cache_usage.set_function(lambda: pool.num_used_blocks / pool.num_blocks)
-    engine = DecodeEngine(engine_model, metrics, config.max_running, pool)
+    engine = DecodeEngine(
+        engine_model, metrics, config.max_running, pool, config.max_bypass, config.context_idle_s
+    )
     engine.start()
-    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(engine, source, metrics), server.server)
+    servicer = DecodeServicer(
+        engine, source, metrics, config.max_decode_waiting, config.max_pulled_waiting or config.max_running
+    )
+    decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server.server)
     return DecodeParts(engine_model, metrics, engine, source)
 
 

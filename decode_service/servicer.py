@@ -3,16 +3,23 @@
 ``DecodeMany`` carries many requests over one call and sends each engine step's tokens for all of
 them in one message (``pdserve.rpc.update_stream``); ``Decode`` is a DecodeMany call of one request.
 Each request:
-1. is validated, checked to fit the pool ever, and its KV pulled (``_prepare``);
-2. joins the engine as a ``DecodeSequence`` whose emissions become its updates;
-3. ends at its last update (finish reason, or the engine's error as a status); cancelling the call
-   or the request cancels its sequence.
+1. is validated, checked to fit the pool ever, and admitted under the decode's bound on the
+   requests it holds before they run (``max_waiting``: RESOURCE_EXHAUSTED at once beyond it);
+2. waits, in arrival order, until the engine can admit it soon (fewer than ``max_pulled`` requests
+   pulled or pulling and not yet running), then pulls its KV (``_prepare``): a pulled KV does not
+   wait long for the running set, and a request that cannot pull within ``PULL_WAIT_S`` (the
+   prefill's lease would run out) is RESOURCE_EXHAUSTED;
+3. joins the engine as a ``DecodeSequence`` whose emissions become its updates;
+4. ends at its last update (finish reason, or the engine's error as a status); cancelling the call
+   or the request cancels its sequence. Its ``timeout_s`` is its deadline: once it passed, the
+   request ends with DEADLINE_EXCEEDED wherever it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,7 +28,7 @@ import grpc
 from decode_service.engine import DecodeEngine
 from decode_service.kv_source import KvSource, PulledKv
 from decode_service.metrics import DecodeMetrics
-from decode_service.sequence import DecodeSequence, Emission
+from decode_service.sequence import DeadlineExpired, DecodeSequence, Emission
 from pdserve.core.sampling import SamplingParams
 from pdserve.model.engine_model import ForwardUnavailable
 from pdserve.rpc.errors import RpcError
@@ -31,18 +38,38 @@ from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+PULL_WAIT_S = 20.0  # longest a request waits to pull its KV (a prefill's lease is 30 s by default)
+ROOM_POLL_S = 0.005
+
 
 def engine_error(error: BaseException) -> RpcError:
-    """The status of a request the engine failed: UNAVAILABLE when no forward can run any more."""
+    """The status of a request the engine failed: UNAVAILABLE when no forward can run any more,
+    DEADLINE_EXCEEDED when its deadline passed."""
+    if isinstance(error, DeadlineExpired):
+        return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
     code = grpc.StatusCode.UNAVAILABLE if isinstance(error, ForwardUnavailable) else grpc.StatusCode.INTERNAL
     return RpcError(code, f"decode failed: {error}")
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, engine: DecodeEngine, kv_source: KvSource, metrics: DecodeMetrics) -> None:
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        kv_source: KvSource,
+        metrics: DecodeMetrics,
+        max_waiting: int = 256,
+        max_pulled: int = 64,
+    ) -> None:
         self._engine = engine
         self._kv_source = kv_source
         self._metrics = metrics
+        self._max_waiting = max_waiting
+        self._max_pulled = max_pulled
+        self._held = 0  # requests validated and not yet submitted to the engine
+        self._gated = 0  # of those, waiting for room before their pull
+        self._pulling = 0  # of those, pulling
+        self._room = asyncio.Lock()  # the request first in line for room holds it (FIFO)
+        metrics.pull_waiting.set_function(lambda: self._gated)
 
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: Any
@@ -59,7 +86,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def _run(self, tag: int, request: decode_pb2.DecodeRequest, stream: UpdateStream) -> None:
         """One request of a call, until its last update; cancelling this cancels it."""
-        params, pulled = await self._prepare(request)
+        deadline = time.monotonic() + request.timeout_s if request.timeout_s > 0 else None
+        params, pulled = await self._prepare(request, deadline)
         ended = asyncio.get_running_loop().create_future()
 
         def emit(emission: Emission) -> None:
@@ -79,6 +107,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             emit,
             loop=asyncio.get_running_loop(),
             release_kv=pulled.release,
+            deadline=deadline,
         )
         self._engine.submit(seq)
         try:
@@ -86,8 +115,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finally:
             seq.cancel()
 
-    async def _prepare(self, request: decode_pb2.DecodeRequest) -> tuple[SamplingParams, PulledKv]:
-        """Validates a request and pulls its KV; raises RpcError with the status to answer."""
+    async def _prepare(
+        self, request: decode_pb2.DecodeRequest, deadline: float | None
+    ) -> tuple[SamplingParams, PulledKv]:
+        """Validates a request, waits for room and pulls its KV; raises RpcError with the status to
+        answer."""
         self._metrics.requests.inc()
         try:
             params = sampling_from_proto(request.sampling)
@@ -95,6 +127,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 raise ValueError("sampling.seed must be set on decode requests that sample")
             if not request.HasField("kv_handle"):
                 raise ValueError("kv_handle is required")
+            if not request.timeout_s >= 0:  # also NaN
+                raise ValueError(f"timeout_s must be >= 0 (0: none), got {request.timeout_s}")
         except ValueError as exc:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         needed = request.kv_handle.num_tokens + params.max_tokens - 1
@@ -103,9 +137,46 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the request needs {needed} KV positions, more than this decode's whole pool",
             )
+        if self._held + self._engine.num_waiting >= self._max_waiting:
+            self._metrics.shed.inc()
+            raise RpcError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the decode holds {self._max_waiting} requests that wait to run; retry later",
+            )
+        self._held += 1
         try:
-            pulled = await self._kv_source.take(request.kv_handle)
+            await self._wait_for_room(deadline)
+            self._pulling += 1
+            try:
+                pulled = await self._kv_source.take(request.kv_handle)
+            finally:
+                self._pulling -= 1
         except RpcError as exc:
             logger.warning("request %s: %s", request.request_id, exc.message)
             raise
+        finally:
+            self._held -= 1
         return params, pulled
+
+    async def _wait_for_room(self, deadline: float | None) -> None:
+        """Returns once the engine can admit one more request soon; in arrival order."""
+        self._gated += 1
+        try:
+            async with self._room:
+                give_up = time.monotonic() + PULL_WAIT_S
+                while self._pulling + self._engine.num_waiting >= self._max_pulled:
+                    now = time.monotonic()
+                    if deadline is not None and now >= deadline:
+                        self._metrics.deadline_expired.inc()
+                        raise RpcError(
+                            grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed in decode"
+                        )
+                    if now >= give_up:
+                        self._metrics.shed.inc()
+                        raise RpcError(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"the decode could not admit the request within {PULL_WAIT_S:.0f} s; retry later",
+                        )
+                    await asyncio.sleep(ROOM_POLL_S)
+        finally:
+            self._gated -= 1

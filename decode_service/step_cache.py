@@ -9,8 +9,9 @@ the only one to move. Every row is copied only when the context grows, which hap
 (rows doubled, up to the engine's most running requests; positions by ``CAPACITY_STEP``). A
 step's attention reads the first ``length`` positions of the live rows, the longest live context:
 its cost follows the live context, not a fixed maximum. Shorter rows are masked by the step's
-attention mask. The context keeps its memory when the running set empties: the next burst of
-requests does not pay for growing it again.
+attention mask. The context keeps its memory when the running set empties, so that the next burst
+of requests does not pay for growing it again, until ``release`` (the engine calls it once nothing
+has run for ``--context-idle-s``): a burst's memory is given back.
 """
 
 from __future__ import annotations
@@ -115,6 +116,18 @@ class BatchContext:
     def clear(self) -> None:
         """Forgets every row; the memory stays for the next ones (growing is what costs)."""
         self.serials = []
+
+    def release(self) -> None:
+        """Forgets every row and gives the memory back; the next step allocates anew."""
+        self.serials = []
+        self.keys = []
+        self.values = []
+        self.capacity = 0
+
+    @property
+    def num_bytes(self) -> int:
+        """Memory the context holds."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
 class StepLayer(CacheLayerMixin):

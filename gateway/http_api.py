@@ -5,25 +5,35 @@ whole), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` and ``GET /
 gateway's Prometheus registry, as on ``--metrics-port``). A client that disconnects cancels its
 request, and with it decode; KV not yet pulled is released on the prefill. With an API key, calls
 under ``/v1`` need it (``gateway.api_key``).
+
+Every request is checked against the input limits before its prompt is tokenized or templated
+(``gateway.input_limits``; 400), its body bounded (``gateway.body_limit``; 413), and it is admitted
+under the gateway's in-flight bound (429 with ``Retry-After`` when full). A request may bound its
+own time: the body field ``timeout`` or the header ``X-Request-Timeout``, in seconds; once they are
+up the request ends (504 before its first token, an SSE ``error`` event after it).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
+from gateway.admission import Admission, Place
 from gateway.api_key import ApiKeyGate
+from gateway.body_limit import BodyLimit
 from gateway.http_responses import SseResponse, unless_disconnected
+from gateway.input_limits import InputLimits
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import (
     SERVER_ERROR,
     OpenAIError,
+    bad_request,
     from_value_error,
     install_handlers,
     model_not_found,
@@ -56,6 +66,7 @@ from gateway.openai_requests import (
     max_tokens_param,
     sampling_params,
 )
+from gateway.prompt_input import PromptInput
 from gateway.request_flow import RequestFlow
 from pdserve.core.limits import ModelLimits
 from pdserve.core.sampling import SamplingParams
@@ -71,14 +82,19 @@ class OpenAIApi:
         self,
         flow: RequestFlow,
         metrics: GatewayMetrics,
-        tokenizer: Any,
+        prompts: PromptInput,
         limits: ModelLimits,
         model_id: str,
+        inputs: InputLimits,
+        admission: Admission,
         api_key: str = "",
     ) -> None:
         self._flow = flow
         self._metrics = metrics
-        self._chat = ChatPrompt(tokenizer)
+        self._prompts = prompts
+        self._chat = ChatPrompt(prompts.tokenizer)
+        self._inputs = inputs
+        self._admission = admission
         self._limits = limits
         self._model_id = model_id
         self._api_key = api_key
@@ -98,25 +114,44 @@ class OpenAIApi:
         app.add_api_route("/metrics", self.metrics, methods=["GET"], response_model=None)
         if self._api_key:
             app.add_middleware(ApiKeyGate, key=self._api_key)
+        app.add_middleware(BodyLimit, max_bytes=self._inputs.limits.max_body_bytes)
         return app
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self._admit(body)
         meta = ResponseMeta.new("cmpl", self._model_id)
         request = completion_input(body, meta.id)
+        try:
+            self._inputs.check_generate(request)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
         params = sampling_params(body, completion_max_tokens(body))
-        return await self._respond(raw, body, meta, request, params, completion_events, completion)
+        place = self._admission.take()
+        try:
+            return await self._respond(raw, body, meta, request, params, completion_events, completion, place)
+        except BaseException:
+            place.release()  # a response that streams gives it back when its stream ends
+            raise
 
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._admit(body)
         meta = ResponseMeta.new("chatcmpl", self._model_id)
         try:
-            ids = self._chat.token_ids(body.messages)
+            self._inputs.check_texts("messages", [m.text() for m in body.messages])
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        place = self._admission.take()  # before templating: an overloaded gateway does none
+        try:
+            ids = await self._prompts.off_loop(lambda: self._chat.token_ids(body.messages))
             params = sampling_params(body, chat_max_tokens(body, len(ids), self._limits.max_model_len))
             request = gateway_pb2.GenerateRequest(request_id=meta.id, prompt_token_ids=ids)
-            return await self._respond(raw, body, meta, request, params, chat_events, chat_completion)
+            return await self._respond(raw, body, meta, request, params, chat_events, chat_completion, place)
         except ValueError as exc:
+            place.release()
             raise from_value_error(exc, {"prompt": "messages", **max_tokens_param(body)}) from exc
+        except BaseException:
+            place.release()  # a response that streams gives it back when its stream ends
+            raise
 
     async def models(self) -> JSONResponse:
         return JSONResponse(ModelList(data=[self._card()]).model_dump())
@@ -141,6 +176,11 @@ class OpenAIApi:
         if body.model is not None and body.model != self._model_id:
             raise model_not_found(body.model)
         check_supported(body)
+        try:
+            self._inputs.check_stop(stop_list(body.stop))
+            self._inputs.check_stop_token_ids(len(body.stop_token_ids or ()))
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
 
     async def _respond(
         self,
@@ -151,8 +191,10 @@ class OpenAIApi:
         params: SamplingParams,
         events: EventsFn,
         whole: BodyFn,
+        place: Place,
     ) -> Response:
-        responses = observed(self._flow, self._metrics, request, params)
+        deadline = request_deadline(body.timeout, raw.headers.get("x-request-timeout"))
+        responses = observed(self._flow, self._metrics, place, request, params, deadline)
         if body.stream:
             first = await first_response(responses)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -161,3 +203,23 @@ class OpenAIApi:
         if totals is None:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(whole(meta, totals).model_dump())
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or ())
+
+
+def request_deadline(field: float | None, header: str | None) -> float | None:
+    """The ``time.monotonic()`` deadline of a request's ``timeout`` (the body field, else the
+    ``X-Request-Timeout`` header, in seconds); None when it gives none."""
+    timeout = field
+    if timeout is None and header is not None:
+        try:
+            timeout = float(header)
+        except ValueError:
+            raise bad_request(f"X-Request-Timeout must be a number of seconds, got {header[:32]!r}") from None
+    if timeout is None:
+        return None
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise bad_request(f"timeout must be a finite number of seconds > 0, got {timeout}", "timeout")
+    return time.monotonic() + timeout

@@ -56,6 +56,20 @@ class GatewayMetrics:
             ["role"],
             registry=registry,
         )
+        self.shed = Counter(
+            "pdserve_gateway_shed",
+            "Requests refused for overload (RESOURCE_EXHAUSTED, HTTP 429), by the stage that was full: "
+            "gateway (its in-flight bound), prefill or decode (every replica tried was full)",
+            ["stage"],
+            registry=registry,
+        )
+        for stage in ("gateway", "prefill", "decode"):
+            self.shed.labels(stage)
+        self.admitted = Gauge(
+            "pdserve_gateway_admitted",
+            "Requests admitted under the gateway's in-flight bound (--max-in-flight) and not ended",
+            registry=registry,
+        )
         self.generated_tokens = Counter(
             "pdserve_gateway_generated_tokens", "Tokens streamed to clients", registry=registry
         )

@@ -2,7 +2,8 @@
 
 Bad input is 400 ``invalid_request_error`` (the gateway's ValueError and INVALID_ARGUMENT messages,
 and body validation), an unknown model is 404 ``model_not_found``, an unreachable or failing
-backend is 503, anything else is 500. No response carries a traceback.
+backend is 503, a request past its ``timeout`` is 504, an overloaded gateway or backend (RESOURCE_EXHAUSTED) is 429 with ``Retry-After``,
+a body beyond ``--max-body-bytes`` is 413, anything else is 500. No response carries a traceback.
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ SERVER_ERROR = "server_error"
 _BAD_INPUT_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
 _UNAVAILABLE_CODES = (
     grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.CANCELLED,
 )
+RETRY_AFTER_S = 1  # a backend's RESOURCE_EXHAUSTED carries no wait of its own
 # The gateway names the field first: "sampling.top_p must ...", "prompt_token_ids[3] = ...".
 _FIELD = re.compile(r"^(?:sampling\.)?([a-z_]+)")
 _KNOWN_PARAMS = frozenset(
@@ -42,11 +42,18 @@ _KNOWN_PARAMS = frozenset(
 
 class OpenAIError(Exception):
     def __init__(
-        self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type_, param=param, code=code)
+        self.headers = headers or {}
 
     def model(self) -> ErrorResponse:
         return ErrorResponse(error=self.info)
@@ -55,7 +62,7 @@ class OpenAIError(Exception):
         return self.model().model_dump()
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
@@ -82,7 +89,18 @@ def from_value_error(exc: ValueError, param_names: dict[str, str] | None = None)
     return bad_request(message, field)
 
 
+def overloaded(message: str, retry_after_s: int) -> OpenAIError:
+    """429: the gateway or every backend tried is full; try again after ``retry_after_s``."""
+    return OpenAIError(
+        429, message, "rate_limit_error", code="overloaded", headers={"Retry-After": str(retry_after_s)}
+    )
+
+
 def from_rpc_error(exc: RpcError) -> OpenAIError:
+    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return overloaded(exc.message, getattr(exc, "retry_after_s", RETRY_AFTER_S))
+    if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return OpenAIError(504, exc.message, SERVER_ERROR, code="timeout")
     if exc.code in _BAD_INPUT_CODES:
         return from_value_error(ValueError(exc.message))
     if exc.code in _UNAVAILABLE_CODES:

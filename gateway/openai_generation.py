@@ -19,6 +19,7 @@ from typing import cast
 import grpc
 from pydantic import BaseModel
 
+from gateway.admission import Place
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import as_openai_error
 from gateway.openai_models import (
@@ -80,13 +81,20 @@ class Totals:
 
 
 async def observed(
-    flow: RequestFlow, metrics: GatewayMetrics, request: gateway_pb2.GenerateRequest, params: SamplingParams
+    flow: RequestFlow,
+    metrics: GatewayMetrics,
+    place: Place,
+    request: gateway_pb2.GenerateRequest,
+    params: SamplingParams,
+    deadline: float | None = None,
 ) -> Responses:
-    """The flow's responses, counted in the gateway's metrics as the gRPC API counts them."""
+    """The flow's responses, counted in the gateway's metrics as the gRPC API counts them; the
+    request's admission ``place`` is given back when they end."""
     metrics.requests.inc()
     metrics.in_flight.inc()
     try:
-        async with contextlib.aclosing(cast(Responses, flow.generate(request, params))) as responses:
+        generated = cast(Responses, flow.generate(request, params, deadline))
+        async with contextlib.aclosing(generated) as responses:
             async for response in responses:
                 metrics.generated_tokens.inc(len(response.token_ids))
                 yield response
@@ -100,6 +108,7 @@ async def observed(
         metrics.cancelled.inc()
         raise
     finally:
+        place.release()
         metrics.in_flight.dec()
 
 

@@ -37,6 +37,7 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    timeout: float | None = None  # seconds the request may take (see gateway.http_api)
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for each field set to something pdserve cannot do."""

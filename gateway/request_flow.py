@@ -23,6 +23,12 @@ per stage, the request runs again:
   from its prefill: the new prefill is another one, and the same decode may run it.
 Once decode tokens have reached the client, the stream ends with UNAVAILABLE and a message saying
 how many tokens were delivered.
+
+Overload and deadlines. A prefill that answers RESOURCE_EXHAUSTED (its queue is full) is left for
+another prefill not tried yet; with none left, and for a full decode, the request is shed to the
+client with RESOURCE_EXHAUSTED. A request's deadline, when it has one, bounds every backend call
+(the time left is the Prefill call's timeout and the DecodeRequest's ``timeout_s``); once it has
+passed, the request ends with DEADLINE_EXCEEDED and is not run again.
 """
 
 from __future__ import annotations
@@ -122,11 +128,14 @@ class RequestFlow:
         decodes.on_closed(self._forget_decode)
 
     async def generate(
-        self, request: gateway_pb2.GenerateRequest, params: SamplingParams
+        self, request: gateway_pb2.GenerateRequest, params: SamplingParams, deadline: float | None = None
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """The request's responses; ``deadline`` (``time.monotonic()``), when set, bounds it: each
+        backend call gets the time left as its timeout, and the request ends with DEADLINE_EXCEEDED
+        once it passed."""
         timer = self._metrics.request.timer()
         try:
-            async for response in self._generate(request, params, timer):
+            async for response in self._generate(request, params, timer, Deadline(deadline)):
                 timer.sent(len(response.token_ids))
                 if response.finish_reason:
                     timer.finished(response.finish_reason)
@@ -138,10 +147,14 @@ class RequestFlow:
             timer.aborted()
 
     async def _generate(
-        self, request: gateway_pb2.GenerateRequest, params: SamplingParams, timer: RequestTimer
+        self,
+        request: gateway_pb2.GenerateRequest,
+        params: SamplingParams,
+        timer: RequestTimer,
+        deadline: Deadline,
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         request_id = request.request_id or secrets.token_hex(8)
-        prompt_ids = self._prompts.token_ids(request, params)
+        prompt_ids = await self._prompts.token_ids(request, params)
         if not params.is_greedy and params.seed is None:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         started = time.perf_counter()
@@ -151,7 +164,9 @@ class RequestFlow:
             request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling
         )
 
-        prefill, first, sent_at = await self._prefill(prefill_request, timer, avoid=(), delivered=0)
+        prefill, first, sent_at = await self._prefill(
+            prefill_request, timer, avoid=(), delivered=0, deadline=deadline
+        )
         self._metrics.ttft_seconds.observe(time.perf_counter() - started)
         timer.prefilled(sent_at, first.queue_seconds, len(prompt_ids))
         parked = _park(prefill, first.kv_handle) if first.HasField("kv_handle") else None
@@ -164,7 +179,7 @@ class RequestFlow:
             if reason is None and parked is not None:
                 early = self._decodes.pick_now()
                 if early is not None:
-                    sent = (early, self._start(early, request_id, parked, first, sampling))
+                    sent = (early, self._start(early, request_id, parked, first, sampling, deadline))
             yield _response(chunk, reason, request_id=request_id, num_prompt_tokens=len(prompt_ids))
             if reason is not None:
                 self._metrics.finished.labels(reason).inc()
@@ -182,12 +197,15 @@ class RequestFlow:
                     sent = None
                 else:
                     decode = await self._pick(self._decodes, failed_decodes, delivered=text.num_tokens)
-                    muxed = self._start(decode, request_id, parked, first, sampling)
+                    muxed = self._start(decode, request_id, parked, first, sampling, deadline)
                 try:
                     async for response in self._decode(decode, muxed, parked, text):
                         yield response
                     return
                 except _AttemptFailed as failure:
+                    deadline.check(delivered=text.num_tokens)
+                    if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        self._metrics.shed.labels("decode").inc()
                     if failure.streamed or not failure.retriable or attempt == MAX_ATTEMPTS:
                         raise failure.error(delivered=text.num_tokens) from None
                     logger.warning("request %s: %s; running it again", request_id, failure)
@@ -199,7 +217,7 @@ class RequestFlow:
                         failed_decodes.append(decode)
                     avoid = [failed_prefill] if failure.code == grpc.StatusCode.ABORTED else []
                     prefill, again, _ = await self._prefill(
-                        prefill_request, timer, avoid, delivered=text.num_tokens
+                        prefill_request, timer, avoid, delivered=text.num_tokens, deadline=deadline
                     )
                     if not again.HasField("kv_handle"):
                         raise RpcError(
@@ -230,14 +248,18 @@ class RequestFlow:
         timer: RequestTimer,
         avoid: Collection[PrefillBackend],
         delivered: int,
+        deadline: Deadline,
     ) -> tuple[PrefillBackend, prefill_pb2.PrefillResponse, float]:
-        """The prefill that answered, its answer and when the call was sent (``timer``'s clock)."""
+        """The prefill that answered, its answer and when the call was sent (``timer``'s clock).
+        A prefill whose queue is full (RESOURCE_EXHAUSTED) is left for another one not tried yet;
+        when there is none, the request is shed."""
         failed = list(avoid)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             prefill = await self._pick(self._prefills, failed, delivered)
+            timeout = deadline.remaining(delivered)
             prefill.outstanding += 1
             sent_at = timer.now()
-            call = prefill.stub.Prefill(request)
+            call = prefill.stub.Prefill(request, timeout=timeout)
             try:
                 response = await _guarded(prefill.health, call, call, f"prefill {prefill.address}")
                 return prefill, response, sent_at
@@ -248,11 +270,18 @@ class RequestFlow:
                 failure = exc
             finally:
                 prefill.outstanding -= 1
+            deadline.check(delivered)
+            failed.append(prefill)
+            if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                if attempt == MAX_ATTEMPTS or self._prefills.pick_now(failed) in (None, *failed):
+                    self._metrics.shed.labels("prefill").inc()
+                    raise failure.error(delivered)
+                logger.info("request %s: %s; trying another prefill", request.request_id, failure)
+                continue
             if not failure.retriable or attempt == MAX_ATTEMPTS:
                 raise failure.error(delivered)
             logger.warning("request %s: %s; running it again", request.request_id, failure)
             self._metrics.retries.labels("prefill").inc()
-            failed.append(prefill)
         raise AssertionError("unreachable")
 
     def _start(
@@ -262,8 +291,10 @@ class RequestFlow:
         parked: _Parked,
         first: prefill_pb2.PrefillResponse,
         sampling: Any,
+        deadline: Deadline,
     ) -> MuxedRequest:
         """Sends one decode attempt to ``decode``; ``_decode`` reads it, ``_end`` ends it."""
+        timeout_s = deadline.remaining(delivered=1) or 0.0
         decode.outstanding += 1
         self._metrics.decode_calls.inc()
         return self._mux(decode).start(
@@ -272,6 +303,7 @@ class RequestFlow:
                 kv_handle=parked.handle,
                 first_token_id=first.first_token_id,
                 sampling=sampling,
+                timeout_s=timeout_s,
             )
         )
 
@@ -345,6 +377,33 @@ class RequestFlow:
         await asyncio.gather(*(mux.close() for mux in self._muxes.values()))
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+class Deadline:
+    """A request's deadline (``time.monotonic()`` seconds; None: none)."""
+
+    def __init__(self, at: float | None) -> None:
+        self.at = at
+
+    def remaining(self, delivered: int) -> float | None:
+        """Seconds left (the timeout of the next backend call); raises DEADLINE_EXCEEDED when none."""
+        if self.at is None:
+            return None
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise self._exceeded(delivered)
+        return left
+
+    def check(self, delivered: int) -> None:
+        """A failed attempt is not run again once the deadline passed: DEADLINE_EXCEEDED."""
+        if self.at is not None and time.monotonic() >= self.at:
+            raise self._exceeded(delivered) from None
+
+    def _exceeded(self, delivered: int) -> RpcError:
+        return RpcError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"the request's deadline passed after {delivered} tokens were delivered",
+        )
 
 
 def pool_size(pool: BackendPool[Any], serving: bool = False, retired: bool = False) -> Callable[[], int]:

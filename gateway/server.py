@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import CollectorRegistry
 from transformers import AutoConfig, AutoTokenizer
 
+from gateway.admission import Admission
 from gateway.backends import decode_pool, prefill_pool
 from gateway.discovery import Discovery, Resolver, fixed_addresses, resolve_dns
 from gateway.http_api import OpenAIApi
 from gateway.http_server import HttpServer
+from gateway.input_limits import InputLimits
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_input import PromptInput
 from gateway.request_flow import RequestFlow
@@ -46,8 +49,12 @@ async def serve(config: GatewayConfig, resolver: Resolver = resolve_dns) -> None
         Discovery(pool, targets, resolver, config.resolve_interval_s)
         for pool, targets in ((prefills, config.prefill), (decodes, config.decode))
     ]
-    flow = RequestFlow(PromptInput(tokenizer, limits), tokenizer, prefills, decodes, metrics)
-    api = OpenAIApi(flow, metrics, tokenizer, limits, config.model_id, config.api_key)
+    tokenizing = ThreadPoolExecutor(config.limits.tokenizer_threads, thread_name_prefix="tokenizer")
+    prompts = PromptInput(tokenizer, limits, tokenizing)
+    flow = RequestFlow(prompts, tokenizer, prefills, decodes, metrics)
+    inputs = InputLimits(config.limits)
+    admission = Admission(config.limits.max_in_flight, config.limits.retry_after_s, metrics)
+    api = OpenAIApi(flow, metrics, prompts, limits, config.model_id, inputs, admission, config.api_key)
     try:
         server = ServiceServer(
             config.server.host,
@@ -55,6 +62,7 @@ async def serve(config: GatewayConfig, resolver: Resolver = resolve_dns) -> None
             [SERVICE_NAME],
             work_methods=[f"/{SERVICE_NAME}/Generate"],
             advertise_host=config.server.public_host,
+            max_receive_bytes=config.limits.max_body_bytes,
         )
         http = None
         if config.http_port >= 0:
@@ -67,7 +75,9 @@ async def serve(config: GatewayConfig, resolver: Resolver = resolve_dns) -> None
             error,
         )
         raise SystemExit(1) from None
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(flow, metrics), server.server)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(
+        GatewayServicer(flow, metrics, inputs, admission), server.server
+    )
     for discovery in discoveries:
         await discovery.refresh()
     resolving = [asyncio.create_task(d.run()) for d in discoveries if d.by_name]
@@ -92,4 +102,5 @@ async def serve(config: GatewayConfig, resolver: Resolver = resolve_dns) -> None
     await prefills.close()
     await decodes.close()
     metrics_server.close()
+    tokenizing.shutdown(wait=False, cancel_futures=True)
     logger.info("gateway stopped")

@@ -11,6 +11,8 @@ Lifecycle of a request here:
    shared-memory arena, or private memory), ready to be parked under a handle;
 5. every request of the batch gets its result the moment that forward ends, with the time it
    waited in the queue (step 1 to 2).
+A request whose deadline passed while it waited is dropped before its forward (``DeadlineExpired``).
+The servicer bounds the queue (``num_waiting``).
 
 ``num_waiting`` and ``num_running`` count the requests of steps 1 and 2-4.
 
@@ -42,6 +44,11 @@ from prefill_service.kv_space import KvSpace, ParkedBuffer
 
 logger = logging.getLogger(__name__)
 
+
+class DeadlineExpired(Exception):
+    """The request's deadline passed before its forward."""
+
+
 # The prompt lengths of each warm-up forward: one prompt, then padded batches, so that every shape
 # class a request can bring is compiled once, with its sizes dynamic (a size of 1 is a class of its
 # own: one-token prompts).
@@ -70,6 +77,7 @@ class _Pending:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[PrefillResult]
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    deadline: float | None = None  # time.monotonic()
 
 
 class PrefillEngine:
@@ -90,12 +98,15 @@ class PrefillEngine:
         self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
         self._thread.start()
 
-    async def run(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> PrefillResult:
+    async def run(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, deadline: float | None = None
+    ) -> PrefillResult:
+        """``deadline`` (``time.monotonic()``): raises DeadlineExpired when it passes before the forward."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[PrefillResult] = loop.create_future()
         with self._count_lock:
             self._num_waiting += 1
-        self._queue.put(_Pending(list(prompt_token_ids), params, loop, future))
+        self._queue.put(_Pending(list(prompt_token_ids), params, loop, future, deadline=deadline))
         return await future
 
     @property
@@ -138,7 +149,7 @@ class PrefillEngine:
                 continue
             with self._count_lock:
                 self._num_waiting -= len(batch)
-            batch = [p for p in batch if not p.future.cancelled()]
+            batch = [p for p in batch if not p.future.cancelled() and not _expired(p)]
             if not batch:
                 continue
             started = time.perf_counter()
@@ -232,6 +243,14 @@ class PrefillEngine:
     def _token_text(self, token: int) -> str:
         text: str = self._m.tokenizer.decode([token], skip_special_tokens=True)
         return text
+
+
+def _expired(pending: _Pending) -> bool:
+    """Whether ``pending``'s deadline passed (it is then failed with DeadlineExpired)."""
+    if pending.deadline is None or time.monotonic() < pending.deadline:
+        return False
+    pending.loop.call_soon_threadsafe(_set_exception, pending.future, DeadlineExpired())
+    return True
 
 
 def _set_result(future: asyncio.Future[PrefillResult], result: PrefillResult) -> None:

@@ -39,6 +39,16 @@ class PrefillMetrics:
             "Requests in the prefill queue: submitted, not yet in a forward",
             registry=registry,
         )
+        self.shed = Counter(
+            "pdserve_prefill_shed",
+            "Prefill requests refused because the queue was full (--max-prefill-waiting)",
+            registry=registry,
+        )
+        self.deadline_expired = Counter(
+            "pdserve_prefill_deadline_expired",
+            "Prefill requests dropped from the queue because their deadline passed",
+            registry=registry,
+        )
         self.running = Gauge(
             "pdserve_prefill_running", "Requests in the prefill forward running now", registry=registry
         )

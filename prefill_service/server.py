@@ -169,7 +169,9 @@ def build_prefill(
         ", ".join(offers(config.transfer.kv_backend, place, arena is not None)) or "nothing",
         f"{arena.capacity} bytes at {arena.path}" if arena is not None else "none",
     )
-    servicer = PrefillServicer(engine_model, engine, registry, sender, metrics, issuer, lender)
+    servicer = PrefillServicer(
+        engine_model, engine, registry, sender, metrics, issuer, lender, config.max_prefill_waiting
+    )
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server.server)
     return PrefillParts(
         engine_model, metrics, registry, sender, lender, space, engine, store, kv_rendezvous, lock

@@ -8,6 +8,7 @@ time the real pull path.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from pdserve.model.engine_model import EngineModel, ForwardUnavailable
 from pdserve.rpc.errors import RpcError, abort
 from pdserve.rpc.sampling_proto import sampling_from_proto
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
-from prefill_service.engine import PrefillEngine
+from prefill_service.engine import DeadlineExpired, PrefillEngine
 from prefill_service.kv_lender import KvLender
 from prefill_service.kv_registry import KvRegistry, ParkedKv
 from prefill_service.kv_sender import KvSender, StaleGeneration
@@ -166,11 +167,13 @@ class PrefillServicer(KvHandoffServicer):
         metrics: PrefillMetrics,
         issuer: HandleIssuer,
         lender: KvLender,
+        max_waiting: int = 1024,
     ) -> None:
         super().__init__(registry, sender, metrics, lender)
         self._m = engine_model
         self._engine = engine
         self._issuer = issuer
+        self._max_waiting = max_waiting
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
         try:
@@ -180,12 +183,26 @@ class PrefillServicer(KvHandoffServicer):
                 raise ValueError("sampling.seed must be set on prefill requests that sample")
         except ValueError as exc:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self._engine.num_waiting >= self._max_waiting:
+            self._metrics.shed.inc()
+            await abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the prefill queue is full ({self._max_waiting} requests waiting); retry later",
+            )
         self._metrics.requests.inc()
         self._metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            result = await self._engine.run(request.prompt_token_ids, params)
+            result = await self._engine.run(request.prompt_token_ids, params, deadline)
         except ForwardUnavailable as exc:
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"prefill could not run: {exc}")
+        except DeadlineExpired:
+            self._metrics.deadline_expired.inc()
+            await abort(
+                context, grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed in the queue"
+            )
         self._metrics.forward_seconds.observe(result.forward_seconds)
         self._metrics.queue_seconds.observe(result.queue_seconds)
         self._metrics.batch_size.observe(result.batch_size)

@@ -137,3 +137,13 @@ def eos_stack(cache_dir: Path, reference_models: Any, tmp_path_factory: pytest.T
     ).start()
     yield stack, eos
     stack.stop()
+
+
+@pytest.fixture(scope="session")
+def limits_stack(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """tiny-llama with HTTP on, at the default request limits (shared by the input-limit tests)."""
+    stack = Stack(
+        "tiny-llama", cache_dir, tmp_path_factory.mktemp("limits-logs"), gateway_args=["--http-port", "0"]
+    ).start()
+    yield stack
+    stack.stop()

@@ -1,6 +1,7 @@
 """Configuration: the services' frozen config dataclasses, their checks, and the flags and
 environment variables derived from them."""
 
+from pdserve.config.request_limits import RequestLimits
 from pdserve.config.services import (
     BACKENDS,
     CPU_BATCH_TOKENS,
@@ -31,6 +32,7 @@ __all__ = [
     "EngineConfig",
     "GatewayConfig",
     "PrefillConfig",
+    "RequestLimits",
     "ServerConfig",
     "TransferConfig",
 ]

@@ -21,6 +21,7 @@ from pdserve.config.checks import (
     device_at,
 )
 from pdserve.config.ep_ports import check_ep_port_base, ep_port_range
+from pdserve.config.request_limits import RequestLimits
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BACKENDS = ("auto", "gloo", "nccl", "shm", "cuda-ipc")
@@ -228,11 +229,19 @@ class PrefillSettings:
             "host; 0: a quarter of /dev/shm, at most 4 GiB; -1: none"
         },
     )
+    max_prefill_waiting: int = field(
+        default=1024,
+        metadata={
+            "help": "most requests waiting for a prefill forward; more are refused at once "
+            "(RESOURCE_EXHAUSTED: the gateway tries another prefill)"
+        },
+    )
 
     def check_prefill(self) -> None:
         check_port("kv_port", self.kv_port)
         check_at_least("kv_shm_bytes", self.kv_shm_bytes, -1)
         check_positive("lease_s", self.lease_s)
+        check_at_least("max_prefill_waiting", self.max_prefill_waiting, 1)
         if self.max_batch_tokens < 0:
             raise ValueError(f"max_batch_tokens must be >= 0 (0: by device), got {self.max_batch_tokens}")
 
@@ -250,9 +259,38 @@ class DecodeSettings:
     max_running: int = field(default=64, metadata={"help": "most requests decoding at once"})
     max_kv_tokens: int = field(default=65536, metadata={"help": "KV pool size of the decode, in tokens"})
     kv_block_size: int = field(default=16, metadata={"help": "tokens per KV pool block"})
+    max_decode_waiting: int = field(
+        default=256,
+        metadata={
+            "help": "most requests a decode holds before they run (pulling their KV or waiting to join); "
+            "more are refused at once (RESOURCE_EXHAUSTED)"
+        },
+    )
+    max_pulled_waiting: int = field(
+        default=0,
+        metadata={
+            "help": "most requests whose KV is pulled and that wait to join the running set; the others "
+            "wait without pulling (0: max_running)"
+        },
+    )
+    max_bypass: int = field(
+        default=32,
+        metadata={
+            "help": "times requests that fit the KV pool may join past the first in line when it does not "
+            "(0: strictly first come, first served)"
+        },
+    )
+    context_idle_s: float = field(
+        default=10.0,
+        metadata={"help": "seconds with nothing running after which the decode's batch context is freed"},
+    )
 
     def check_decode(self) -> None:
         check_at_least("max_running", self.max_running, 1)
+        check_at_least("max_decode_waiting", self.max_decode_waiting, 1)
+        check_at_least("max_pulled_waiting", self.max_pulled_waiting, 0)
+        check_at_least("max_bypass", self.max_bypass, 0)
+        check_non_negative("context_idle_s", self.context_idle_s)
         check_at_least("kv_block_size", self.kv_block_size, 1)
         if self.max_kv_tokens < self.kv_block_size:
             raise ValueError(
@@ -353,6 +391,7 @@ class GatewayConfig:
             "secret": True,
         },
     )
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         if not self.prefill:

@@ -39,6 +39,11 @@ MESSAGE_SIZE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# Calls gRPC's core holds before the service's event loop takes them. Beyond its default (1000) the
+# core cancels the oldest with a bare CANCELLED and no log line: a burst of short requests lost
+# that way instead of being answered. Services bound their own work (and answer RESOURCE_EXHAUSTED
+# when full) once they take a call, so this bound only has to stay above any burst they can take.
+MAX_PENDING_CALLS = 65536
 DRAIN_POLL_S = 0.05
 # After the grace period: how long streams get to end with UNAVAILABLE before the server stops.
 HAND_BACK_S = 1.0
@@ -131,7 +136,8 @@ class ServiceServer:
     """A grpc.aio server with health and reflection, bound to host:port (0 picks a free port).
 
     ``work_methods`` are the full names (``/package.Service/Method``) of the calls that drain
-    refuses once it starts and waits for; ``advertise_host`` is the host in ``address`` ('' = host).
+    refuses once it starts and waits for; ``advertise_host`` is the host in ``address`` ('' = host);
+    a request message beyond ``max_receive_bytes`` is refused by gRPC (RESOURCE_EXHAUSTED).
     """
 
     def __init__(
@@ -141,8 +147,14 @@ class ServiceServer:
         service_names: Sequence[str],
         work_methods: Collection[str] = (),
         advertise_host: str = "",
+        max_receive_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
-        options = [*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)]
+        options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_receive_bytes),
+            ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+            ("grpc.so_reuseport", 0),
+        ]
         self._gate = DrainGate(work_methods)
         self.server = grpc.aio.server(options=options, interceptors=[self._gate])
         self.health = health.aio.HealthServicer()

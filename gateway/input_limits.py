@@ -1,0 +1,92 @@
+"""The public request checks at the gateway's edge, shared by the gRPC and HTTP APIs.
+
+Each check costs at most one pass over the field it checks and runs before any tokenization,
+templating or backend call; a request beyond a bound of ``RequestLimits`` raises ValueError naming
+the field and the bound (INVALID_ARGUMENT, HTTP 400). Counts are compared before anything is
+iterated, so a hostile list is refused in time proportional to nothing but its length check.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from pdserve.config import RequestLimits
+from pdserve.v1 import gateway_pb2, sampling_pb2
+
+REQUEST_ID = re.compile(r"[\x21-\x7e]*")
+
+
+class InputLimits:
+    def __init__(self, limits: RequestLimits) -> None:
+        self.limits = limits
+
+    def check_generate(self, request: gateway_pb2.GenerateRequest) -> None:
+        """A gRPC GenerateRequest, before its sampling params are converted."""
+        self.check_request_id(request.request_id)
+        self.check_prompt_text(request.prompt)
+        self.check_prompt_ids(len(request.prompt_token_ids))
+        self.check_sampling(request.sampling)
+
+    def check_sampling(self, sampling: sampling_pb2.SamplingParams) -> None:
+        self.check_stop(sampling.stop)
+        self.check_stop_token_ids(len(sampling.stop_token_ids))
+
+    def check_request_id(self, request_id: str) -> None:
+        bound = self.limits.max_request_id_bytes
+        if len(request_id) > bound:
+            raise ValueError(f"request_id has {len(request_id)} characters; at most {bound} are allowed")
+        if not REQUEST_ID.fullmatch(request_id):
+            raise ValueError(
+                "request_id may hold only printable ASCII characters without spaces ('!' to '~')"
+            )
+
+    def check_prompt_text(self, text: str) -> None:
+        self.check_texts("prompt", (text,))
+
+    def check_texts(self, field: str, texts: Sequence[str]) -> None:
+        """Texts that are tokenized together (a prompt, a chat's messages): valid UTF-8, and no
+        more than ``max_prompt_bytes`` of it."""
+        bound = self.limits.max_prompt_bytes
+        total = 0
+        for text in texts:
+            total += len(text)  # characters: a lower bound of the bytes
+            if total > bound:
+                raise ValueError(f"{field} is longer than {bound} bytes")
+        total = 0
+        for text in texts:
+            total += utf8_size(field, text)
+            if total > bound:
+                raise ValueError(f"{field} is longer than {bound} bytes")
+
+    def check_prompt_ids(self, count: int) -> None:
+        bound = self.limits.max_prompt_token_ids
+        if count > bound:
+            raise ValueError(f"prompt_token_ids has {count} ids; at most {bound} are allowed")
+
+    def check_stop(self, stop: Sequence[str]) -> None:
+        count, bound = len(stop), self.limits.max_stop_strings
+        if count > bound:
+            raise ValueError(f"sampling.stop has {count} strings; at most {bound} are allowed")
+        total, byte_bound = 0, self.limits.max_stop_bytes
+        for s in stop:
+            total += len(s)
+            if total > byte_bound:
+                break
+        total = 0
+        for s in stop:
+            total += utf8_size("sampling.stop", s)
+            if total > byte_bound:
+                raise ValueError(f"sampling.stop strings are longer than {byte_bound} bytes together")
+
+    def check_stop_token_ids(self, count: int) -> None:
+        bound = self.limits.max_stop_token_ids
+        if count > bound:
+            raise ValueError(f"sampling.stop_token_ids has {count} ids; at most {bound} are allowed")
+
+
+def utf8_size(field: str, text: str) -> int:
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:  # a lone surrogate (JSON may carry one)
+        raise ValueError(f"{field} is not valid Unicode text (it holds a lone surrogate)") from None
