@@ -1,8 +1,7 @@
 """The KV handle: a prefill's lease on one parked KV, and the contract between prefill and decode.
 
 Lifecycle of a handle:
-1. a prefill makes one ``HandleIssuer`` for its life: its gRPC address, instance id, rendezvous
-   store, where it keeps KV (``pdserve.kv.transports.Place``), model fingerprint, expert-parallel
+1. a prefill makes one ``HandleIssuer`` for its life: its gRPC address, instance id, where it keeps KV (``pdserve.kv.transports.Place``), model fingerprint, expert-parallel
    rank and KV layout;
 2. each KV it parks gets a handle (``HandleIssuer.issue``): a fresh random id of
    ``HANDLE_ID_BYTES``, the token count, the packed size, the lease deadline, the shape and dtype
@@ -72,7 +71,6 @@ class HandleIssuer:
 
     prefill_address: str
     prefill_instance_id: str
-    rendezvous_address: str
     model_fingerprint: str
     layout: KvLayout
     place: Place = CPU_PLACE
@@ -84,7 +82,6 @@ class HandleIssuer:
             id=parked.handle_id,
             prefill_address=self.prefill_address,
             prefill_instance_id=self.prefill_instance_id,
-            rendezvous_address=self.rendezvous_address,
             backend=network_backend(self.place.device),
             model_fingerprint=self.model_fingerprint,
             num_tokens=parked.num_tokens,
