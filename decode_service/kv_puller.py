@@ -43,7 +43,7 @@ from decode_service.pair_link import (
     allocate,
 )
 from pdserve.kv.channel import TransferError, transfer_threads
-from pdserve.kv.handle import HandleCheck, prefill_place
+from pdserve.kv.handle import HandleCheck, malformed, prefill_place
 from pdserve.kv.layout import KvLayout, unpack
 from pdserve.kv.shared_memory import InstanceLock, is_instance_id
 from pdserve.kv.transports import NETWORK, Place
@@ -143,8 +143,12 @@ class KvPuller:
         return sum(q.link.borrowed for q in list(self._queues.values()) if isinstance(q.link, LocalLink))
 
     def check_compatible(self, handle: kv_pb2.KvHandle) -> str:
-        """The transport this decode takes the handle's KV by; raises RpcError(FAILED_PRECONDITION)
-        when it cannot use it."""
+        """The transport this decode takes the handle's KV by; raises RpcError: INVALID_ARGUMENT for a
+        malformed handle, FAILED_PRECONDITION for one it cannot use (before any connection)."""
+        bad = malformed(handle)
+        if bad is not None:
+            self._metrics.kv_refused.inc()
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, bad)
         problem = self._check.problem(handle)
         transport = self._check.transport(handle)
         if problem is not None or transport is None:

@@ -90,7 +90,9 @@ def build_decode(
     metrics.kv_cache_usage.set_function(lambda: pool.num_used_blocks / pool.num_blocks)
     engine = DecodeEngine(engine_model, metrics, config.max_running, pool)
     engine.start()
-    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(engine, source, metrics), server.server)
+    decode_pb2_grpc.add_DecodeServicer_to_server(
+        DecodeServicer(engine, source, metrics, engine_model.limits), server.server
+    )
     return DecodeParts(engine_model, metrics, engine, source)
 
 

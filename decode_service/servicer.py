@@ -22,6 +22,7 @@ from decode_service.engine import DecodeEngine
 from decode_service.kv_source import KvSource, PulledKv
 from decode_service.metrics import DecodeMetrics
 from decode_service.sequence import DecodeSequence, Emission
+from pdserve.core.limits import ModelLimits
 from pdserve.core.sampling import SamplingParams
 from pdserve.model.engine_model import ForwardUnavailable
 from pdserve.rpc.errors import RpcError
@@ -39,8 +40,11 @@ def engine_error(error: BaseException) -> RpcError:
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, engine: DecodeEngine, kv_source: KvSource, metrics: DecodeMetrics) -> None:
+    def __init__(
+        self, engine: DecodeEngine, kv_source: KvSource, metrics: DecodeMetrics, limits: ModelLimits
+    ) -> None:
         self._engine = engine
+        self._limits = limits
         self._kv_source = kv_source
         self._metrics = metrics
 
@@ -95,6 +99,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 raise ValueError("sampling.seed must be set on decode requests that sample")
             if not request.HasField("kv_handle"):
                 raise ValueError("kv_handle is required")
+            if not 0 <= request.first_token_id < self._limits.vocab_size:
+                raise ValueError(
+                    f"first_token_id {request.first_token_id} is outside the vocabulary "
+                    f"[0, {self._limits.vocab_size})"
+                )
+            if request.kv_handle.num_tokens + params.max_tokens > self._limits.max_model_len:
+                raise ValueError(
+                    f"kv_handle.num_tokens ({request.kv_handle.num_tokens}) + sampling.max_tokens must "
+                    f"be <= the model's context {self._limits.max_model_len}"
+                )
         except ValueError as exc:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         needed = request.kv_handle.num_tokens + params.max_tokens - 1

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
 from gateway.metrics import GatewayMetrics
+from gateway.public_errors import public_error
 from gateway.request_flow import RequestFlow
 from pdserve.rpc.errors import RpcError, abort
 from pdserve.rpc.sampling_proto import sampling_from_proto
@@ -28,6 +30,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         self._metrics.requests.inc()
         self._metrics.in_flight.inc()
+        if not request.request_id:  # the id a failure is logged under, and the client told
+            request.request_id = secrets.token_hex(8)
         try:
             params = sampling_from_proto(request.sampling)
             async for response in self._flow.generate(request, params):
@@ -38,8 +42,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RpcError as exc:
             self._metrics.failed.labels(exc.code.name).inc()
-            logger.info("request %s failed: %s %s", request.request_id, exc.code.name, exc.message)
-            await abort(context, exc.code, exc.message)
+            public = public_error(exc, request.request_id)
+            await abort(context, public.code, public.message)
         except (asyncio.CancelledError, GeneratorExit):
             self._metrics.cancelled.inc()
             raise

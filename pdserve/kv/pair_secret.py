@@ -31,12 +31,16 @@ def pair_key(decode_instance_id: str, secret: bytes) -> PairKey:
     return decode_instance_id, hashlib.sha256(secret).digest()
 
 
+def is_owner_id(instance_id: str) -> bool:
+    """Whether ``instance_id`` can name a process in a pair: 1 to ``MAX_DECODE_ID_CHARS`` letters,
+    digits, '.', '_' or '-'."""
+    return len(instance_id) <= MAX_DECODE_ID_CHARS and bool(_DECODE_ID.fullmatch(instance_id))
+
+
 def pull_problem(decode_instance_id: str, secret: bytes) -> str | None:
     """Why a pull's or pair-store call's owner fields are unusable, or None."""
-    if not decode_instance_id or len(decode_instance_id) > MAX_DECODE_ID_CHARS:
-        return f"decode_instance_id must be 1 to {MAX_DECODE_ID_CHARS} characters"
-    if not _DECODE_ID.fullmatch(decode_instance_id):
-        return "decode_instance_id may hold only letters, digits, '.', '_' and '-'"
+    if not is_owner_id(decode_instance_id):
+        return f"decode_instance_id must be 1 to {MAX_DECODE_ID_CHARS} letters, digits, '.', '_' or '-'"
     if len(secret) != PAIR_SECRET_BYTES:
         return f"pair_secret must be {PAIR_SECRET_BYTES} bytes"
     return None
