@@ -31,6 +31,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from decode_service.known_prefills import KnownPrefills
 from decode_service.kv_source import Layers, PulledKv
 from decode_service.local_link import LocalLink
 from decode_service.metrics import DecodeMetrics
@@ -96,11 +97,14 @@ class KvPuller:
         shm_dir: str = "",
         allocator: Allocator = allocate,
         max_links: int = MAX_LINKS,
+        known_prefills: KnownPrefills | None = None,
     ) -> None:
         """``kv_backend`` narrows the transports this decode takes (``auto``: any); ``place`` is where
         this decode keeps KV (its shared-memory domain makes same-host transports possible);
         ``allocator`` makes the receive buffers of network pulls; at most ``max_links`` links to
-        prefills are kept (the least recently used idle one is closed to make room)."""
+        prefills are kept (the least recently used idle one is closed to make room); a handle is
+        pulled only from ``known_prefills`` (by default: prefills of this host)."""
+        self._known = known_prefills if known_prefills is not None else KnownPrefills(())
         self._instance_id = instance_id
         self._allocator = allocator
         self._max_links = max_links
@@ -177,6 +181,13 @@ class KvPuller:
         given back with ``release`` once copied."""
         started = time.perf_counter()
         transport = self.check_compatible(handle)
+        if not await self._known.check(handle.prefill_address):
+            self._metrics.kv_refused.inc()
+            raise RpcError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"kv_handle names prefill {handle.prefill_address}, which is not one this decode "
+                "pulls from (--prefill)",
+            )
         # Shielded: once the pull call may have posted the prefill's send, the receive must be posted
         # too; and a KV lent to this decode must go back even if the caller is gone.
         posted = asyncio.ensure_future(self._post(handle, transport))
