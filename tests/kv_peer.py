@@ -19,6 +19,7 @@ then waits on this process.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -38,7 +39,6 @@ import torch.distributed as dist
 
 from pdserve.kv.channel import DECODE_RANK, PREFILL_RANK, PairChannel
 from pdserve.kv.handle import MIN_GENERATION_METADATA
-from pdserve.kv.pair_secret import new_pair_secret
 from pdserve.kv.relay_store import RelayStore
 from pdserve.kv.rendezvous import pair_prefix
 from pdserve.kv.shared_memory import DEFAULT_DIR as SHM_DIR
@@ -76,16 +76,21 @@ def _borrow(
     _say(ok=True, num_bytes=response.num_bytes[0])
 
 
+def _pair_secret(instance: str) -> bytes:
+    """The pair secret of a decode instance this peer plays: the same in every peer process, so a
+    test can bring "the same decode" back (a real decode keeps its secret for its life)."""
+    return hashlib.sha256(instance.encode()).digest()
+
+
 def run_decode() -> None:
     channels: dict[tuple[str, int], PairChannel] = {}
     stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
-    pair_secrets: dict[str, bytes] = {}  # the pair secret of each instance this process plays
     locks: dict[str, InstanceLock] = {}
     for line in sys.stdin:
         command, *args = line.split()
         if command == "exit":
             break
-        secret = pair_secrets.setdefault(args[0], new_pair_secret())
+        secret = _pair_secret(args[0])
         if command == "borrow":
             _borrow(args[0], kv_pb2.KvHandle.FromString(bytes.fromhex(args[1])), args[2], locks, secret)
             continue

@@ -396,6 +396,8 @@ TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S", "PDSERVE_KV_
                 "PDSERVE_MAX_RUNNING",
                 "PDSERVE_MAX_KV_TOKENS",
                 "PDSERVE_KV_BLOCK_SIZE",
+                "PDSERVE_PREFILL",
+                "PDSERVE_RESOLVE_INTERVAL_S",
             ],
         ),
         (

@@ -19,6 +19,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from decode_service.known_prefills import KnownPrefills
 from decode_service.kv_puller import KvPuller
 from decode_service.metrics import DecodeMetrics
 from decode_service.pair_link import allocate
@@ -335,3 +336,46 @@ def test_public_errors_carry_no_address_or_backend_text() -> None:
         RpcError(grpc.StatusCode.INVALID_ARGUMENT, "PullKvMany on prefill-0.pdserve:50061: bad handle"), "r"
     )
     assert client.message == "PullKvMany on <internal>: bad handle (request id r)"
+
+
+def test_known_prefills_are_the_hosts_of_the_list_its_names_resolved_again() -> None:
+    answers = {"prefill.svc": ["10.0.0.5:50061"]}
+
+    def resolver(host: str, port: int) -> list[str]:
+        return answers[host]
+
+    async def scenario() -> None:
+        local = KnownPrefills(())
+        assert local.knows("127.0.0.1:1") and local.knows("[::1]:2") and local.knows("localhost:3")
+        assert not local.knows("10.0.0.5:50061")
+        known = KnownPrefills(["10.0.0.9:50061", "dns:///prefill.svc:50061"], resolver=resolver, keep_s=2.5)
+        assert known.knows("10.0.0.9:7") and not known.knows("127.0.0.1:50061")
+        assert await known.check("10.0.0.5:29600")  # resolved on first sight, any port
+        answers["prefill.svc"] = ["10.0.0.6:50061"]
+        assert not known.knows("10.0.0.6:50061")
+        await asyncio.sleep(1.0)  # past the minimum interval between resolutions
+        assert await known.check("10.0.0.6:50061")
+        assert known.knows("10.0.0.5:1")  # gone from the name, kept for keep_s
+        await asyncio.sleep(2.0)
+        await known.refresh()
+        assert not known.knows("10.0.0.5:1")
+        with pytest.raises(RpcError) as failure:
+            await puller_with(KnownPrefills(["10.0.0.9:50061"])).pull(handle_named("127.0.0.1:50061"))
+        assert failure.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+    asyncio.run(scenario())
+
+
+def puller_with(known: KnownPrefills) -> KvPuller:
+    metrics = DecodeMetrics(CollectorRegistry())
+    return KvPuller(
+        "decode-k", "fp", LAYOUT, "gloo", CPU, "127.0.0.1", TIMEOUT, metrics, known_prefills=known
+    )
+
+
+def handle_named(address: str) -> kv_pb2.KvHandle:
+    issuer = HandleIssuer(address, "prefill-k", "fp", LAYOUT)
+    entry = KvRegistry(60.0).park(
+        pack([(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 3))] * 2, LAYOUT, 0, 0, 2, CPU), 2
+    )
+    return issuer.issue(entry)
