@@ -73,7 +73,6 @@ def _build_rank(
         ],
         busy=parts.prefill.busy,
         close=parts.close,
-        ready={"kv_rendezvous": parts.prefill.kv_rendezvous},
         background=[parts.prefill.run_expiry],
         warm_up=parts.warm_up,
     )

@@ -20,6 +20,7 @@ failed transfer) are ABORTED: the request can be run again from a new prefill.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -30,12 +31,20 @@ from pathlib import Path
 import grpc
 import torch
 
+from decode_service.known_prefills import KnownPrefills
 from decode_service.kv_source import Layers, PulledKv
 from decode_service.local_link import LocalLink
 from decode_service.metrics import DecodeMetrics
-from decode_service.pair_link import PairLink, ReceiveCounter, Received
+from decode_service.pair_link import (
+    Allocator,
+    PairLink,
+    ReceiveBufferError,
+    ReceiveCounter,
+    Received,
+    allocate,
+)
 from pdserve.kv.channel import TransferError, transfer_threads
-from pdserve.kv.handle import HandleCheck, prefill_place
+from pdserve.kv.handle import HandleCheck, malformed, prefill_place
 from pdserve.kv.layout import KvLayout, unpack
 from pdserve.kv.shared_memory import InstanceLock, is_instance_id
 from pdserve.kv.transports import NETWORK, Place
@@ -43,6 +52,8 @@ from pdserve.rpc.errors import RpcError
 from pdserve.v1 import kv_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+MAX_LINKS = 256
 
 
 def _nothing() -> None:
@@ -84,10 +95,19 @@ class KvPuller:
         metrics: DecodeMetrics,
         place: Place | None = None,
         shm_dir: str = "",
+        allocator: Allocator = allocate,
+        max_links: int = MAX_LINKS,
+        known_prefills: KnownPrefills | None = None,
     ) -> None:
         """``kv_backend`` narrows the transports this decode takes (``auto``: any); ``place`` is where
-        this decode keeps KV (its shared-memory domain makes same-host transports possible)."""
+        this decode keeps KV (its shared-memory domain makes same-host transports possible);
+        ``allocator`` makes the receive buffers of network pulls; at most ``max_links`` links to
+        prefills are kept (the least recently used idle one is closed to make room); a handle is
+        pulled only from ``known_prefills`` (by default: prefills of this host)."""
+        self._known = known_prefills if known_prefills is not None else KnownPrefills(())
         self._instance_id = instance_id
+        self._allocator = allocator
+        self._max_links = max_links
         self._layout = layout
         self._device = device
         self._local_host = local_host
@@ -102,9 +122,11 @@ class KvPuller:
             place = Place("", place.device, place.device_uuid, place.visible_gpus)
         self._place = place
         self._check = HandleCheck(fingerprint, layout, kv_backend, place)
-        self._queues: dict[tuple[str, str], _Queue] = {}
+        self._queues: collections.OrderedDict[tuple[str, str], _Queue] = collections.OrderedDict()
         self._grpc: dict[str, tuple[grpc.aio.Channel, prefill_pb2_grpc.PrefillStub]] = {}
+        self._blocking: dict[str, tuple[grpc.Channel, prefill_pb2_grpc.PrefillStub]] = {}
         self._receiving = ReceiveCounter()
+        self._closing: set[asyncio.Future[None]] = set()
         metrics.kv_pairs.set_function(lambda: self.num_pairs)
         metrics.kv_receives_in_flight.set_function(lambda: self._receiving.value)
         metrics.kv_transfer_threads.set_function(transfer_threads)
@@ -125,8 +147,12 @@ class KvPuller:
         return sum(q.link.borrowed for q in list(self._queues.values()) if isinstance(q.link, LocalLink))
 
     def check_compatible(self, handle: kv_pb2.KvHandle) -> str:
-        """The transport this decode takes the handle's KV by; raises RpcError(FAILED_PRECONDITION)
-        when it cannot use it."""
+        """The transport this decode takes the handle's KV by; raises RpcError: INVALID_ARGUMENT for a
+        malformed handle, FAILED_PRECONDITION for one it cannot use (before any connection)."""
+        bad = malformed(handle)
+        if bad is not None:
+            self._metrics.kv_refused.inc()
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, bad)
         problem = self._check.problem(handle)
         transport = self._check.transport(handle)
         if problem is not None or transport is None:
@@ -155,6 +181,13 @@ class KvPuller:
         given back with ``release`` once copied."""
         started = time.perf_counter()
         transport = self.check_compatible(handle)
+        if not await self._known.check(handle.prefill_address):
+            self._metrics.kv_refused.inc()
+            raise RpcError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"kv_handle names prefill {handle.prefill_address}, which is not one this decode "
+                "pulls from (--prefill)",
+            )
         # Shielded: once the pull call may have posted the prefill's send, the receive must be posted
         # too; and a KV lent to this decode must go back even if the caller is gone.
         posted = asyncio.ensure_future(self._post(handle, transport))
@@ -194,6 +227,8 @@ class KvPuller:
                 grpc.StatusCode.ABORTED,
                 f"PullKvMany on prefill {handle.prefill_address} failed ({code.name}: {exc.details()})",
             )
+        if isinstance(exc, ReceiveBufferError):
+            return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV receive failed: {exc}")
         if isinstance(exc, TransferError | OSError | ValueError):
             return RpcError(
                 grpc.StatusCode.ABORTED, f"KV transfer from prefill {handle.prefill_address} failed: {exc}"
@@ -238,21 +273,25 @@ class KvPuller:
     def _queue(self, handle: kv_pb2.KvHandle, transport: str) -> _Queue:
         key = (handle.prefill_instance_id, transport)
         queue = self._queues.get(key)
-        if queue is None:
+        if queue is not None:
+            self._queues.move_to_end(key)
+        else:
+            self._make_room()
             stub = self._stub(handle.prefill_address)
             link: PairLink | LocalLink
             if transport in NETWORK:
                 link = PairLink(
                     self._instance_id,
                     handle.prefill_instance_id,
-                    handle.rendezvous_address,
                     stub,
+                    self._blocking_stub(handle.prefill_address),
                     transport,
                     self._device,
                     self._local_host,
                     self._timeout,
                     self._metrics,
                     self._receiving,
+                    self._allocator,
                 )
             else:
                 link = LocalLink(
@@ -269,11 +308,35 @@ class KvPuller:
             queue = self._queues[key] = _Queue(link)
         return queue
 
+    def _make_room(self) -> None:
+        """Closes the least recently used idle link when there are ``max_links``."""
+        if len(self._queues) < self._max_links:
+            return
+        for key, queue in self._queues.items():
+            if not queue.lock.locked() and not queue.waiting and not _busy(queue.link):
+                del self._queues[key]
+                if isinstance(queue.link, PairLink):
+                    queue.link.close("too many links")
+                else:
+                    closing = asyncio.ensure_future(queue.link.close())
+                    self._closing.add(closing)
+                    closing.add_done_callback(self._closing.discard)
+                self._metrics.kv_link_evictions.inc()
+                return
+        raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"all {self._max_links} KV links are busy")
+
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         if address not in self._grpc:
             channel = grpc.aio.insecure_channel(address)
             self._grpc[address] = (channel, prefill_pb2_grpc.PrefillStub(channel))
         return self._grpc[address][1]
+
+    def _blocking_stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
+        """A blocking stub (pair-store calls run on a pair's transfer thread)."""
+        if address not in self._blocking:
+            channel = grpc.insecure_channel(address)
+            self._blocking[address] = (channel, prefill_pb2_grpc.PrefillStub(channel))
+        return self._blocking[address][1]
 
     async def close(self) -> None:
         for queue in self._queues.values():
@@ -283,10 +346,22 @@ class KvPuller:
                 await queue.link.close()
         for channel, _ in self._grpc.values():
             await channel.close()
+        for blocking, _ in self._blocking.values():
+            blocking.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
         self._queues.clear()
         self._grpc.clear()
+        self._blocking.clear()
         if self._lock is not None:
             self._lock.release()
+
+
+def _busy(link: PairLink | LocalLink) -> bool:
+    """Whether a link still has work out: a receive posted, or a KV lent and not given back."""
+    if isinstance(link, PairLink):
+        return link.channel is not None and link.channel.num_pending > 0
+    return link.borrowed > 0
 
 
 def _once(link: LocalLink, handle: kv_pb2.KvHandle) -> Callable[[], None]:

@@ -9,7 +9,9 @@ One fetch, under the link's lock (the puller holds it):
 3. the decode copies it once into its pool, then gives it back (``give_back``: ReleaseKv) so the
    prefill frees it.
 Nothing is sent, so there is no pair and no generation; the prefill frees what it lent to this
-decode if the decode dies (it watches the decode's instance lock).
+decode if the decode dies (it watches the decode's instance lock). The link's secret
+(``pdserve.kv.pair_secret``) goes with its pull and release calls: what is lent to it is given back
+only by it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from decode_service.metrics import DecodeMetrics
 from pdserve.kv import cuda_ipc
+from pdserve.kv.pair_secret import new_pair_secret
 from pdserve.kv.shared_memory import ArenaReader
 from pdserve.kv.transports import SHM, Place
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
@@ -51,6 +54,7 @@ class LocalLink:
         self._instance_id = instance_id
         self._prefill_instance_id = prefill_instance_id
         self._stub = stub
+        self._secret = new_pair_secret()
         self.transport = transport
         self._place = place
         self._remote = remote
@@ -70,6 +74,7 @@ class LocalLink:
                 handle_ids=[h.id for h in handles],
                 decode_instance_id=self._instance_id,
                 transport=self.transport,
+                pair_secret=self._secret,
             ),
             timeout=self._timeout.total_seconds(),
         )
@@ -128,7 +133,9 @@ class LocalLink:
 
     async def _release(self, handle_id: bytes) -> None:
         """Gives a lent KV back, again after a failed call (a busy prefill must not keep it lent)."""
-        request = prefill_pb2.ReleaseKvRequest(handle_id=handle_id)
+        request = prefill_pb2.ReleaseKvRequest(
+            handle_id=handle_id, decode_instance_id=self._instance_id, pair_secret=self._secret
+        )
         for attempt in range(RELEASE_ATTEMPTS):
             try:
                 await self._stub.ReleaseKv(request, timeout=RELEASE_TIMEOUT_S)

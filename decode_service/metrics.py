@@ -85,6 +85,11 @@ class DecodeMetrics:
         self.kv_pairs = Gauge(
             "pdserve_kv_pairs", "Open (prefill, decode) transfer pairs of this decode", registry=registry
         )
+        self.kv_link_evictions = Counter(
+            "pdserve_kv_link_evictions",
+            "Idle links to prefills closed to make room for a new one",
+            registry=registry,
+        )
         self.kv_receives_in_flight = Gauge(
             "pdserve_kv_receives_in_flight", "KV receives posted and not yet ended", registry=registry
         )

@@ -1,17 +1,22 @@
 """A decode's link to one prefill over a network transport (gloo or NCCL): a 2-rank pair, rebuilt
 under a new generation after any failure.
 
+The link makes a random secret (``pdserve.kv.pair_secret``) that it sends only in its own calls to
+that prefill: the prefill keys the pair by it, so nobody else can post a send on it, rebuild it or
+retire its generations. Its side of each generation's group is built through the prefill's store of
+that pair (``RelayStore``: ``PairStore`` calls carrying the secret), never through a shared store.
+
 One fetch, under the link's lock (the puller holds it):
-1. make sure there is a usable channel: connect to the prefill's rendezvous store once, then build
-   the next generation's channel when there is none;
+1. make sure there is a usable channel: build the next generation's channel when there is none;
 2. PullKvMany for the handles; the receive buffer (room for all of them, back to back) is
-   allocated while the call is out. A prefill that tore this generation down answers ABORTED with
-   the lowest generation it takes (before it touches any handle): the link moves on and asks once
-   more;
+   allocated by the link's allocator while the call is out. A prefill that tore this generation
+   down answers ABORTED with the lowest generation it takes (before it touches any handle): the link
+   moves on and asks once more;
 3. post one receive for what the prefill sends (the KVs it holds, concatenated in handle order).
 A pull call that failed after the prefill may have posted its send (deadline, lost connection), a
-size mismatch, or a failed receive closes the channel: the next fetch builds a new generation, so
-the two sides never fall out of step.
+receive buffer that could not be allocated, a size mismatch, or a failed receive closes the
+channel: the next fetch builds a new generation, so a receive never takes bytes sent for another
+pull and the two sides never fall out of step.
 """
 
 from __future__ import annotations
@@ -20,18 +25,19 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
 import grpc
 import torch
-import torch.distributed as dist
 
 from decode_service.metrics import DecodeMetrics
 from pdserve.kv.channel import DECODE_RANK, PairChannel, TransferError, transfer_device
 from pdserve.kv.handle import MIN_GENERATION_METADATA
-from pdserve.kv.rendezvous import connect_store, pair_prefix
+from pdserve.kv.pair_secret import MAX_PAIR_GENERATION, new_pair_secret
+from pdserve.kv.relay_store import RelayStore
+from pdserve.kv.rendezvous import pair_prefix
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -42,7 +48,23 @@ logger = logging.getLogger(__name__)
 ALLOCATE_ASIDE_BYTES = 8 << 20
 
 # Pull answers after which the prefill has certainly not posted a send for this pull.
-NOTHING_POSTED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ABORTED)
+NOTHING_POSTED = (
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+)
+
+Allocator = Callable[[int, torch.device], torch.Tensor]
+
+
+def allocate(num_bytes: int, device: torch.device) -> torch.Tensor:
+    """A receive buffer of ``num_bytes`` on ``device`` (the default allocator of a link)."""
+    return torch.empty(num_bytes, dtype=torch.uint8, device=device)
+
+
+class ReceiveBufferError(TransferError):
+    """The receive buffer of a pull could not be allocated; the pair was torn down."""
 
 
 @dataclass(frozen=True)
@@ -58,26 +80,30 @@ class PairLink:
         self,
         instance_id: str,
         prefill_instance_id: str,
-        rendezvous_address: str,
         stub: prefill_pb2_grpc.PrefillStub,
+        store_stub: prefill_pb2_grpc.PrefillStub,
         backend: str,
         device: torch.device,
         local_host: str,
         timeout: timedelta,
         metrics: DecodeMetrics,
         receiving: ReceiveCounter,
+        allocator: Allocator = allocate,
     ) -> None:
+        """``stub`` is the prefill's asyncio stub (pull calls), ``store_stub`` a blocking one (the
+        pair store's calls, made from the pair's transfer thread)."""
         self._instance_id = instance_id
         self._prefill_instance_id = prefill_instance_id
-        self._rendezvous_address = rendezvous_address
         self._stub = stub
+        self._store_stub = store_stub
+        self._secret = new_pair_secret()
+        self._allocator = allocator
         self.backend = backend
         self._device = device
         self._local_host = local_host
         self._timeout = timeout
         self._metrics = metrics
         self._receiving = receiving
-        self._store: dist.Store | None = None
         self.generation = 0
         self.channel: PairChannel | None = None
 
@@ -126,10 +152,12 @@ class PairLink:
                         decode_instance_id=self._instance_id,
                         pair_generation=self.generation,
                         transport=self.backend,
+                        pair_secret=self._secret,
                     ),
                     timeout=self._timeout.total_seconds(),
                 )
-                buf = buf if buf is not None else await self._allocate_during(num_bytes)
+                if buf is None:
+                    buf = await self._allocate_or_tear_down(call, num_bytes)
                 response = await call
                 return channel, list(response.num_bytes), buf
             except grpc.aio.AioRpcError as exc:
@@ -148,14 +176,12 @@ class PairLink:
         if self.channel is not None and self.channel.is_usable:
             return self.channel
         self.close("unusable")
-        if self._store is None:
-            try:
-                self._store = await asyncio.to_thread(connect_store, self._rendezvous_address, self._timeout)
-            except Exception as exc:
-                raise TransferError(f"cannot reach the KV store {self._rendezvous_address}: {exc}") from exc
+        if self.generation >= MAX_PAIR_GENERATION:  # a new link to the prefill: a new secret
+            self._secret, self.generation = new_pair_secret(), 0
         self.generation += 1
+        store = RelayStore(self._store_stub, self._instance_id, self._secret, self.generation, self._timeout)
         self.channel = PairChannel(
-            self._store,
+            store,
             pair_prefix(self._prefill_instance_id, self._instance_id, self.generation),
             DECODE_RANK,
             self.backend,
@@ -177,15 +203,27 @@ class PairLink:
         future.add_done_callback(received)
         return future
 
+    async def _allocate_or_tear_down(self, call: object, num_bytes: int) -> torch.Tensor:
+        """The receive buffer, allocated while the pull call just made is on its way. When it cannot
+        be, the call is cancelled and the pair torn down: the prefill may post its send all the
+        same, and no later receive on this generation may take those bytes."""
+        try:
+            return await self._allocate_during(num_bytes)
+        except Exception as exc:
+            cancel = getattr(call, "cancel", None)
+            if cancel is not None:
+                cancel()
+            self.close("receive buffer could not be allocated")
+            raise ReceiveBufferError(f"no receive buffer of {num_bytes} bytes: {exc}") from exc
+
     async def _allocate_during(self, num_bytes: int) -> torch.Tensor:
-        """A receive buffer, allocated while the pull call just made is on its way."""
         if self.backend == "nccl" and num_bytes >= ALLOCATE_ASIDE_BYTES:
             return await asyncio.to_thread(self._receive_buffer, num_bytes)
         await asyncio.sleep(0)  # lets the call's task send the request first
         return self._receive_buffer(num_bytes)
 
     def _receive_buffer(self, num_bytes: int) -> torch.Tensor:
-        return torch.empty(num_bytes, dtype=torch.uint8, device=transfer_device(self.backend, self._device))
+        return self._allocator(num_bytes, transfer_device(self.backend, self._device))
 
 
 class ReceiveCounter:

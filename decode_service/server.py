@@ -17,6 +17,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from decode_service.engine import DecodeEngine
+from decode_service.known_prefills import KnownPrefills
 from decode_service.kv_pool import KvPool
 from decode_service.kv_puller import KvPuller
 from decode_service.kv_source import KvSource
@@ -44,6 +45,7 @@ class DecodeParts:
     metrics: DecodeMetrics
     engine: DecodeEngine
     kv_source: KvSource
+    known_prefills: KnownPrefills | None = None  # the prefills a puller takes KV from
 
     def warm_up(self) -> None:
         """Compiled forwards (``--compile``): runs steps of dummy sequences; nothing otherwise."""
@@ -64,7 +66,13 @@ def build_decode(
     """The decode's parts, with its servicer added to ``server``. By default the KV is pulled from
     remote prefills; ``kv_source`` replaces that (a colocated decode takes it in-process)."""
     metrics = DecodeMetrics(CollectorRegistry())
+    known: KnownPrefills | None = None
     if kv_source is None:
+        known = KnownPrefills(
+            config.prefill,
+            own_hosts=(config.server.host, config.server.public_host),
+            interval_s=config.resolve_interval_s,
+        )
         shm_dir = config.transfer.kv_shm_dir
         host_id = shared_memory.host_id(Path(shm_dir)) if shm_dir else ""
         source: KvSource = KvPuller(
@@ -78,6 +86,7 @@ def build_decode(
             metrics,
             place=cuda_ipc.place_of(engine_model.device, host_id),
             shm_dir=shm_dir,
+            known_prefills=known,
         )
     else:
         source = kv_source(metrics)
@@ -93,10 +102,15 @@ def build_decode(
     )
     engine.start()
     servicer = DecodeServicer(
-        engine, source, metrics, config.max_decode_waiting, config.max_pulled_waiting or config.max_running
+        engine,
+        source,
+        metrics,
+        engine_model.limits,
+        config.max_decode_waiting,
+        config.max_pulled_waiting or config.max_running,
     )
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server.server)
-    return DecodeParts(engine_model, metrics, engine, source)
+    return DecodeParts(engine_model, metrics, engine, source, known)
 
 
 def _build_rank(
@@ -108,6 +122,7 @@ def _build_rank(
         busy=lambda: 0,
         close=parts.close,
         warm_up=parts.warm_up,
+        background=[parts.known_prefills.run] if parts.known_prefills is not None else [],
     )
 
 

@@ -29,6 +29,7 @@ from decode_service.engine import DecodeEngine
 from decode_service.kv_source import KvSource, PulledKv
 from decode_service.metrics import DecodeMetrics
 from decode_service.sequence import DeadlineExpired, DecodeSequence, Emission
+from pdserve.core.limits import ModelLimits
 from pdserve.core.sampling import SamplingParams
 from pdserve.model.engine_model import ForwardUnavailable
 from pdserve.rpc.errors import RpcError
@@ -57,10 +58,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         engine: DecodeEngine,
         kv_source: KvSource,
         metrics: DecodeMetrics,
+        limits: ModelLimits,
         max_waiting: int = 256,
         max_pulled: int = 64,
     ) -> None:
         self._engine = engine
+        self._limits = limits
         self._kv_source = kv_source
         self._metrics = metrics
         self._max_waiting = max_waiting
@@ -129,6 +132,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 raise ValueError("kv_handle is required")
             if not request.timeout_s >= 0:  # also NaN
                 raise ValueError(f"timeout_s must be >= 0 (0: none), got {request.timeout_s}")
+            if not 0 <= request.first_token_id < self._limits.vocab_size:
+                raise ValueError(
+                    f"first_token_id {request.first_token_id} is outside the vocabulary "
+                    f"[0, {self._limits.vocab_size})"
+                )
+            if request.kv_handle.num_tokens + params.max_tokens > self._limits.max_model_len:
+                raise ValueError(
+                    f"kv_handle.num_tokens ({request.kv_handle.num_tokens}) + sampling.max_tokens must "
+                    f"be <= the model's context {self._limits.max_model_len}"
+                )
         except ValueError as exc:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         needed = request.kv_handle.num_tokens + params.max_tokens - 1

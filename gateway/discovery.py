@@ -21,63 +21,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from gateway.backends import BackendPool
-from pdserve.config.checks import DNS_SCHEME
+from pdserve.rpc.dns_targets import BackendTarget, Resolver, fixed_addresses, resolve_dns
+
+__all__ = ["BackendTarget", "Discovery", "Resolver", "fixed_addresses", "resolve_dns"]
 
 logger = logging.getLogger(__name__)
 
 RESOLVE_INTERVAL_S = 5.0
 RESOLVE_TIMEOUT_S = 5.0
-# getaddrinfo's answers for "this name has no addresses" (others are failures to resolve).
-NO_ADDRESS_ERRORS = frozenset(
-    code for code in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None)) if code is not None
-)
-
-# (host, port) -> the backends' "HOST:PORT" addresses; blocking; raises OSError when it cannot tell.
-Resolver = Callable[[str, int], Sequence[str]]
-
-
-def join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def resolve_dns(host: str, port: int) -> list[str]:
-    """Every address ``host`` resolves to (``getaddrinfo``: /etc/hosts, then DNS), on ``port``."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as error:
-        if error.errno in NO_ADDRESS_ERRORS:
-            return []
-        raise
-    return sorted({join_host_port(str(info[4][0]), int(info[4][1])) for info in infos})
-
-
-@dataclass(frozen=True)
-class BackendTarget:
-    """One entry of a backend list: a fixed address, or a name to resolve."""
-
-    text: str  # as given: the address itself, or dns:///NAME:PORT
-    host: str
-    port: int
-
-    @property
-    def by_name(self) -> bool:
-        return self.text.startswith(DNS_SCHEME)
-
-    @classmethod
-    def parse(cls, text: str) -> BackendTarget:
-        host, _, port = text.removeprefix(DNS_SCHEME).rpartition(":")
-        return cls(text, host.removeprefix("[").removesuffix("]"), int(port))
-
-
-def fixed_addresses(targets: Sequence[str]) -> list[str]:
-    """The entries of a backend list that are addresses, not names."""
-    return [t for t in targets if not BackendTarget.parse(t).by_name]
 
 
 class Discovery:

@@ -35,6 +35,7 @@ from gateway.openai_models import (
     Usage,
 )
 from gateway.openai_requests import openai_finish_reason
+from gateway.public_errors import public_error
 from gateway.request_flow import RequestFlow
 from pdserve.core.sampling import SamplingParams
 from pdserve.rpc.errors import RpcError
@@ -103,7 +104,7 @@ async def observed(
         raise
     except RpcError as exc:
         metrics.failed.labels(exc.code.name).inc()
-        raise
+        raise public_error(exc, request.request_id) from None
     except (asyncio.CancelledError, GeneratorExit):
         metrics.cancelled.inc()
         raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,6 +19,7 @@ import grpc
 from gateway.admission import Admission
 from gateway.input_limits import InputLimits
 from gateway.metrics import GatewayMetrics
+from gateway.public_errors import public_error
 from gateway.request_flow import RequestFlow
 from pdserve.rpc.errors import RpcError, abort
 from pdserve.rpc.sampling_proto import sampling_from_proto
@@ -40,7 +42,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         self._metrics.requests.inc()
         self._metrics.in_flight.inc()
-        request_id = request.request_id[:64]  # as logged: checked below
+        if not request.request_id:  # the id a failure is logged under, and the client told
+            request.request_id = secrets.token_hex(8)
         try:
             self._inputs.check_generate(request)
             params = sampling_from_proto(request.sampling)
@@ -53,8 +56,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RpcError as exc:
             self._metrics.failed.labels(exc.code.name).inc()
-            logger.info("request %r failed: %s %s", request_id, exc.code.name, exc.message)
-            await abort(context, exc.code, exc.message)
+            public = public_error(exc, request.request_id)
+            await abort(context, public.code, public.message)
         except (asyncio.CancelledError, GeneratorExit):
             self._metrics.cancelled.inc()
             raise

@@ -102,6 +102,16 @@ class PrefillMetrics:
             "Pairs replaced by a new generation or torn down after a failure",
             registry=registry,
         )
+        self.kv_pair_evictions = Counter(
+            "pdserve_kv_pair_evictions",
+            "Idle pairs torn down to make room for a new one",
+            registry=registry,
+        )
+        self.kv_pulls_refused = Counter(
+            "pdserve_kv_pulls_refused",
+            "Pulls and pair-store calls refused: bad owner fields or generation, unknown pair, no room",
+            registry=registry,
+        )
         self.kv_pulls_stale = Counter(
             "pdserve_kv_pulls_stale_generation",
             "Pulls refused because they named a pair generation already torn down",

@@ -1,9 +1,12 @@
-"""Starts a prefill process: model, rendezvous store, registry, engine, gRPC and metrics servers.
+"""Starts a prefill process: model, registry, engine, gRPC and metrics servers.
 
-Lifecycle of the process: load the model -> host the KV rendezvous store -> serve (announce the
-ready line) -> on SIGTERM report NOT_SERVING, refuse new Prefill calls, keep serving PullKvMany and
-ReleaseKv until what is parked has been pulled, released or has expired and every send has ended
-(or the grace period is over), then free the rest and exit.
+The prefill listens on its gRPC port (and metrics) only: each KV pair's two ends meet through that
+pair's own store in this process, which a decode reaches by the Prefill service's PairStore call.
+
+Lifecycle of the process: load the model -> serve (announce the ready line) -> on SIGTERM report
+NOT_SERVING, refuse new Prefill calls, keep serving PullKvMany and ReleaseKv until what is parked
+has been pulled, released or has expired and every send has ended (or the grace period is over),
+then free the rest and exit.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
-import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
 from pdserve.config import PrefillConfig
@@ -26,7 +28,6 @@ from pdserve.hosting.service_main import serve_service
 from pdserve.kv import cuda_ipc, shared_memory
 from pdserve.kv.handle import HandleIssuer
 from pdserve.kv.layout import dtype_name
-from pdserve.kv.rendezvous import host_store
 from pdserve.kv.shared_memory import InstanceLock, SharedArena
 from pdserve.kv.transports import AUTO, SHM, offers
 from pdserve.model.engine_model import EngineModel
@@ -104,8 +105,6 @@ class PrefillParts:
     lender: KvLender
     space: KvSpace
     engine: PrefillEngine
-    store: dist.TCPStore
-    kv_rendezvous: str
     lock: InstanceLock | None = None
 
     def busy(self) -> int:
@@ -137,7 +136,6 @@ def build_prefill(
     timeout = timedelta(seconds=config.transfer.transfer_timeout_s)
     instance_id = uuid.uuid4().hex
     host = config.server.public_host
-    store = host_store(config.server.host, config.kv_port, timeout)
     host_id, arena, lock = shared_memory_arena(config, instance_id)
     place = cuda_ipc.place_of(engine_model.device, host_id)
     space = KvSpace(config.transfer.kv_backend, place, engine_model.device, arena)
@@ -147,14 +145,12 @@ def build_prefill(
     lender = KvLender(partial(shared_memory.is_alive, Path(config.transfer.kv_shm_dir)))
     metrics.track_parked(lambda: registry.num_parked, lambda: registry.num_bytes_parked)
     metrics.track_lent(lender, space)
-    sender = KvSender(instance_id, store, backend, engine_model.device, host, timeout, metrics)
+    sender = KvSender(instance_id, backend, engine_model.device, host, timeout, metrics)
     engine = PrefillEngine(engine_model, space, config.batch_tokens)
     metrics.track_queue(lambda: engine.num_waiting, lambda: engine.num_running)
-    kv_rendezvous = f"{host}:{store.port}"
     issuer = HandleIssuer(
         prefill_address=server.address,
         prefill_instance_id=instance_id,
-        rendezvous_address=kv_rendezvous,
         model_fingerprint=engine_model.fingerprint,
         layout=engine_model.kv_layout,
         place=place,
@@ -173,9 +169,7 @@ def build_prefill(
         engine_model, engine, registry, sender, metrics, issuer, lender, config.max_prefill_waiting
     )
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server.server)
-    return PrefillParts(
-        engine_model, metrics, registry, sender, lender, space, engine, store, kv_rendezvous, lock
-    )
+    return PrefillParts(engine_model, metrics, registry, sender, lender, space, engine, lock)
 
 
 def _build_rank(
@@ -190,7 +184,6 @@ def _build_rank(
         metrics=[("metrics", parts.metrics.registry, config.server.metrics_port)],
         busy=parts.busy,
         close=close,
-        ready={"kv_rendezvous": parts.kv_rendezvous},
         background=[parts.run_expiry],
         warm_up=parts.warm_up,
     )

@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
 from pdserve.kv.channel import TransferError
 from pdserve.kv.handle import HANDLE_ID_BYTES, MIN_GENERATION_METADATA, HandleIssuer, is_handle_id
+from pdserve.kv.pair_secret import generation_problem, pair_key, pull_problem
+from pdserve.kv.pair_store import StoreLimit, StoreTimeout, call_problem
 from pdserve.kv.shared_memory import is_instance_id
 from pdserve.kv.transports import KV_BACKENDS, SAME_HOST
 from pdserve.model.engine_model import EngineModel, ForwardUnavailable
@@ -25,12 +27,13 @@ from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 from prefill_service.engine import DeadlineExpired, PrefillEngine
 from prefill_service.kv_lender import KvLender
 from prefill_service.kv_registry import KvRegistry, ParkedKv
-from prefill_service.kv_sender import KvSender, StaleGeneration
+from prefill_service.kv_sender import KvSender, PairsFull, StaleGeneration
 from prefill_service.metrics import PrefillMetrics
 
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = KV_BACKENDS[1:]
+MAX_HANDLES_PER_PULL = 4096
 _NOT_LENT = kv_pb2.LentKv()
 
 
@@ -54,6 +57,7 @@ class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
             decode_instance_id=request.decode_instance_id,
             pair_generation=request.pair_generation,
             transport=request.transport,
+            pair_secret=request.pair_secret,
         )
         (num_bytes,) = (await self.PullKvMany(many, context)).num_bytes
         if not num_bytes:
@@ -66,72 +70,93 @@ class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
         if not request.handle_ids:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "handle_ids is empty")
         transport = request.transport or self._sender.default_backend
-        decode, generation = await self._check_pull(
-            context, request.handle_ids, request.decode_instance_id, request.pair_generation, transport
-        )
+        decode, secret, generation = request.decode_instance_id, request.pair_secret, request.pair_generation
+        await self._check_pull(context, request.handle_ids, decode, secret, generation, transport)
         self._metrics.kv_pull_calls.inc()
         entries = [self._registry.take(handle_id, transport) for handle_id in request.handle_ids]
         found = [entry for entry in entries if entry is not None]
         self._metrics.kv_pulls_not_found.inc(len(entries) - len(found))
         lent: dict[bytes, kv_pb2.LentKv] = {}
         if found and transport in SAME_HOST:
-            lent = self._lend(found, decode, transport)
+            lent = self._lend(found, decode, secret, transport)
         elif found:
-            await self._send(context, found, decode, generation, transport)
+            await self._send(context, found, decode, secret, generation, transport)
         return prefill_pb2.PullKvManyResponse(
             num_bytes=[0 if e is None else e.num_bytes for e in entries],
             lent=[lent.get(handle_id, _NOT_LENT) for handle_id in request.handle_ids] if lent else [],
         )
 
+    async def _refuse(self, context: Any, code: grpc.StatusCode, message: str) -> NoReturn:
+        self._metrics.kv_pulls_refused.inc()
+        await abort(context, code, message)
+
     async def _check_pull(
-        self, context: Any, handle_ids: Sequence[bytes], decode: str, generation: int, transport: str
-    ) -> tuple[str, int]:
+        self,
+        context: Any,
+        handle_ids: Sequence[bytes],
+        decode: str,
+        secret: bytes,
+        generation: int,
+        transport: str,
+    ) -> None:
         """Validates a pull's fields and, over a network transport, its pair generation, before any
-        handle is taken."""
+        handle is taken: a refused pull leaves every handle parked and every pair as it was."""
+        if len(handle_ids) > MAX_HANDLES_PER_PULL:
+            await self._refuse(
+                context, grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_HANDLES_PER_PULL} handle_ids"
+            )
         if not all(is_handle_id(handle_id) for handle_id in handle_ids):
-            await abort(
+            await self._refuse(
                 context, grpc.StatusCode.INVALID_ARGUMENT, f"handle_id must be {HANDLE_ID_BYTES} bytes"
             )
         if transport not in TRANSPORTS:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"transport must be one of {TRANSPORTS}")
-        if transport in SAME_HOST:
-            if not is_instance_id(decode):
-                await abort(
-                    context, grpc.StatusCode.INVALID_ARGUMENT, "decode_instance_id must be lowercase hex"
-                )
-            return decode, 0
-        if not decode or generation == 0:
-            await abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "decode_instance_id and pair_generation must be set",
+            await self._refuse(
+                context, grpc.StatusCode.INVALID_ARGUMENT, f"transport must be one of {TRANSPORTS}"
             )
+        problem = pull_problem(decode, secret)
+        if problem is None and transport in SAME_HOST and not is_instance_id(decode):
+            problem = "decode_instance_id must be lowercase hex"
+        if problem is None and transport not in SAME_HOST:
+            problem = generation_problem(generation)
+        if problem is not None:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if transport in SAME_HOST:
+            return
         try:
-            # Before the take: a refused pull leaves the handle parked for the retry.
-            self._sender.check_generation(decode, generation)
+            self._sender.check_generation(decode, secret, generation)
         except StaleGeneration as exc:
             await self._abort_stale(context, exc)
-        return decode, generation
 
-    def _lend(self, entries: Sequence[ParkedKv], decode: str, transport: str) -> dict[bytes, kv_pb2.LentKv]:
+    def _lend(
+        self, entries: Sequence[ParkedKv], decode: str, secret: bytes, transport: str
+    ) -> dict[bytes, kv_pb2.LentKv]:
         """Lends taken KVs to a decode of this host; where it reads each, by handle id."""
         self._metrics.kv_pulls.inc(len(entries))
         self._metrics.kv_transport_pulls.labels(transport).inc(len(entries))
-        where = self._lender.lend(entries, decode, transport)
+        where = self._lender.lend(entries, pair_key(decode, secret), transport)
         return {entry.handle_id: lent for entry, lent in zip(entries, where, strict=True)}
 
     async def _send(
-        self, context: Any, entries: Sequence[ParkedKv], decode: str, generation: int, backend: str
+        self,
+        context: Any,
+        entries: Sequence[ParkedKv],
+        decode: str,
+        secret: bytes,
+        generation: int,
+        backend: str,
     ) -> None:
         """Posts the send of taken KVs (one transfer) on the pair; a failure ends the call (the KVs
         are dropped)."""
         self._metrics.kv_pulls.inc(len(entries))
         self._metrics.kv_transport_pulls.labels(backend).inc(len(entries))
         try:
-            self._sender.send(entries, decode, generation, backend)
+            self._sender.send(entries, decode, secret, generation, backend)
         except StaleGeneration as exc:  # a concurrent pull of that decode moved on: the KV is dropped
             self._metrics.kv_pull_failures.inc()
             await self._abort_stale(context, exc)
+        except PairsFull as exc:
+            self._metrics.kv_pull_failures.inc()
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except TransferError as exc:
             self._metrics.kv_pull_failures.inc()
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"KV send could not be posted: {exc}")
@@ -142,10 +167,43 @@ class KvHandoffServicer(prefill_pb2_grpc.PrefillServicer):
         released = self._registry.release(request.handle_id)
         if released:
             self._metrics.kv_releases.inc()
-        elif self._lender.give_back(request.handle_id):
+        elif self._lender.give_back(
+            request.handle_id, pair_key(request.decode_instance_id, request.pair_secret)
+        ):
             self._metrics.kv_given_back.inc()
             released = True
         return prefill_pb2.ReleaseKvResponse(released=released)
+
+    async def PairStore(
+        self, request: prefill_pb2.PairStoreRequest, context: Any
+    ) -> prefill_pb2.PairStoreResponse:
+        """One operation on the store of a pair generation this prefill made for that decode link."""
+        keys = list(request.keys)
+        problem = (
+            pull_problem(request.decode_instance_id, request.pair_secret)
+            or generation_problem(request.pair_generation)
+            or call_problem(request.op, keys, request.value, request.expected)
+        )
+        if problem is not None:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        store = self._sender.pair_store(
+            request.decode_instance_id, request.pair_secret, request.pair_generation
+        )
+        if store is None:
+            await self._refuse(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                "no open KV pair of this generation for that decode link (pull first)",
+            )
+        try:
+            value, number, ready = await store.call(
+                request.op, keys, request.value, request.expected, request.amount, request.timeout_s
+            )
+        except StoreLimit as exc:
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except StoreTimeout as exc:
+            await abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        return prefill_pb2.PairStoreResponse(value=value, number=number, ready=ready)
 
     async def _abort_stale(self, context: Any, exc: StaleGeneration) -> None:
         self._metrics.kv_pulls_stale.inc()

@@ -12,13 +12,14 @@ process can play a decode and the same decode restarted):
   borrow INSTANCE HANDLE_HEX PATH -> takes the KV over shm (PullKvMany, reads it in place from the
     prefill's arena into PATH) and keeps it lent: never gives it back (INSTANCE: lowercase hex)
 prefill NUM_BYTES (a prefill whose PullKvMany answers NUM_BYTES but never sends, and never answers
-a pull over shm): prints {"grpc", "rendezvous", "instance_id"} first, then {"pulled", "decode",
+a pull over shm; its PairStore serves the pair's store): prints {"grpc", "instance_id"} first, then {"pulled", "decode",
 "generation"} once a decode's pull has built the pair (or asked over shm); the decode's receive
 then waits on this process.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -34,10 +35,12 @@ from typing import Any
 
 import grpc
 import torch
+import torch.distributed as dist
 
 from pdserve.kv.channel import DECODE_RANK, PREFILL_RANK, PairChannel
 from pdserve.kv.handle import MIN_GENERATION_METADATA
-from pdserve.kv.rendezvous import connect_store, host_store, pair_prefix
+from pdserve.kv.relay_store import RelayStore
+from pdserve.kv.rendezvous import pair_prefix
 from pdserve.kv.shared_memory import DEFAULT_DIR as SHM_DIR
 from pdserve.kv.shared_memory import ArenaReader, InstanceLock
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
@@ -53,13 +56,15 @@ def _say(**message: Any) -> None:
     sys.stdout.flush()
 
 
-def _borrow(instance: str, handle: kv_pb2.KvHandle, path: str, locks: dict[str, InstanceLock]) -> None:
+def _borrow(
+    instance: str, handle: kv_pb2.KvHandle, path: str, locks: dict[str, InstanceLock], secret: bytes
+) -> None:
     if instance not in locks:
         locks[instance] = InstanceLock(SHM_DIR, instance)
     with grpc.insecure_channel(handle.prefill_address) as grpc_channel:
         response = prefill_pb2_grpc.PrefillStub(grpc_channel).PullKvMany(
             prefill_pb2.PullKvManyRequest(
-                handle_ids=[handle.id], decode_instance_id=instance, transport="shm"
+                handle_ids=[handle.id], decode_instance_id=instance, transport="shm", pair_secret=secret
             ),
             timeout=30,
         )
@@ -71,43 +76,51 @@ def _borrow(instance: str, handle: kv_pb2.KvHandle, path: str, locks: dict[str, 
     _say(ok=True, num_bytes=response.num_bytes[0])
 
 
+def _pair_secret(instance: str) -> bytes:
+    """The pair secret of a decode instance this peer plays: the same in every peer process, so a
+    test can bring "the same decode" back (a real decode keeps its secret for its life)."""
+    return hashlib.sha256(instance.encode()).digest()
+
+
 def run_decode() -> None:
     channels: dict[tuple[str, int], PairChannel] = {}
-    stores: dict[str, Any] = {}
+    stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
     locks: dict[str, InstanceLock] = {}
     for line in sys.stdin:
         command, *args = line.split()
         if command == "exit":
             break
+        secret = _pair_secret(args[0])
         if command == "borrow":
-            _borrow(args[0], kv_pb2.KvHandle.FromString(bytes.fromhex(args[1])), args[2], locks)
+            _borrow(args[0], kv_pb2.KvHandle.FromString(bytes.fromhex(args[1])), args[2], locks, secret)
             continue
         instance, handle_hex, generation = args[0], args[1], int(args[2])
         handle = kv_pb2.KvHandle.FromString(bytes.fromhex(handle_hex))
-        if handle.rendezvous_address not in stores:
-            stores[handle.rendezvous_address] = connect_store(handle.rendezvous_address, TIMEOUT)
+        if handle.prefill_address not in stubs:
+            stubs[handle.prefill_address] = prefill_pb2_grpc.PrefillStub(
+                grpc.insecure_channel(handle.prefill_address)
+            )
+        stub = stubs[handle.prefill_address]
         key = (instance, generation)
         if key not in channels:
             prefix = pair_prefix(handle.prefill_instance_id, instance, generation)
-            store = stores[handle.rendezvous_address]
+            store = RelayStore(stub, instance, secret, generation, TIMEOUT)
             channels[key] = PairChannel(store, prefix, DECODE_RANK, "gloo", CPU, HOST, TIMEOUT)
         channel = channels[key]
         if command == "pull":
-            with grpc.insecure_channel(handle.prefill_address) as grpc_channel:
-                request = prefill_pb2.PullKvRequest(
-                    handle_id=handle.id, decode_instance_id=instance, pair_generation=generation
-                )
-                try:
-                    response = prefill_pb2_grpc.PrefillStub(grpc_channel).PullKv(request, timeout=30)
-                except grpc.RpcError as exc:
-                    metadata = dict(exc.trailing_metadata() or ())
-                    minimum = metadata.get(MIN_GENERATION_METADATA)
-                    _say(
-                        ok=False,
-                        code=exc.code().name,
-                        min_generation=int(minimum) if minimum else None,
-                    )
-                    continue
+            request = prefill_pb2.PullKvRequest(
+                handle_id=handle.id,
+                decode_instance_id=instance,
+                pair_generation=generation,
+                pair_secret=secret,
+            )
+            try:
+                response = stub.PullKv(request, timeout=30)
+            except grpc.RpcError as exc:
+                metadata = dict(exc.trailing_metadata() or ())
+                minimum = metadata.get(MIN_GENERATION_METADATA)
+                _say(ok=False, code=exc.code().name, min_generation=int(minimum) if minimum else None)
+                continue
             _say(ok=True, num_bytes=response.num_bytes)
         elif command == "connect":
             channel.connect().result()
@@ -125,11 +138,29 @@ def run_decode() -> None:
 class _SilentPrefill(prefill_pb2_grpc.PrefillServicer):
     """Answers PullKvMany (the decode's pull call) and builds the pair, but never sends."""
 
-    def __init__(self, instance_id: str, store: Any, num_bytes: int) -> None:
+    def __init__(self, instance_id: str, num_bytes: int) -> None:
         self._instance_id = instance_id
-        self._store = store
         self._num_bytes = num_bytes
         self._channels: list[PairChannel] = []
+        self._stores: dict[tuple[str, int], Any] = {}
+
+    def _store(self, decode: str, generation: int) -> Any:
+        return self._stores.setdefault((decode, generation), dist.HashStore())
+
+    def PairStore(self, request: prefill_pb2.PairStoreRequest, context: Any) -> prefill_pb2.PairStoreResponse:
+        store = self._store(request.decode_instance_id, request.pair_generation)
+        keys = list(request.keys)
+        if request.op == "set":
+            store.set(keys[0], request.value)
+        elif request.op in ("get", "wait"):
+            store.wait(keys, timedelta(seconds=request.timeout_s))
+            if request.op == "get":
+                return prefill_pb2.PairStoreResponse(value=store.get(keys[0]))
+        elif request.op == "check":
+            return prefill_pb2.PairStoreResponse(ready=store.check(keys))
+        elif request.op == "add":
+            return prefill_pb2.PairStoreResponse(number=store.add(keys[0], request.amount))
+        return prefill_pb2.PairStoreResponse()
 
     def PullKvMany(
         self, request: prefill_pb2.PullKvManyRequest, context: Any
@@ -138,7 +169,8 @@ class _SilentPrefill(prefill_pb2_grpc.PrefillServicer):
             _say(pulled=True, decode=request.decode_instance_id, generation=0)
             threading.Event().wait()  # never answers: the decode's call waits on this process
         prefix = pair_prefix(self._instance_id, request.decode_instance_id, request.pair_generation)
-        channel = PairChannel(self._store, prefix, PREFILL_RANK, "gloo", CPU, HOST, TIMEOUT)
+        store = self._store(request.decode_instance_id, request.pair_generation)
+        channel = PairChannel(store, prefix, PREFILL_RANK, "gloo", CPU, HOST, TIMEOUT)
         self._channels.append(channel)
 
         def built(f: futures.Future[None]) -> None:
@@ -150,13 +182,12 @@ class _SilentPrefill(prefill_pb2_grpc.PrefillServicer):
 
 
 def run_prefill(num_bytes: int) -> None:
-    store = host_store(HOST, 0, TIMEOUT)
     instance_id = uuid.uuid4().hex
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    prefill_pb2_grpc.add_PrefillServicer_to_server(_SilentPrefill(instance_id, store, num_bytes), server)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    prefill_pb2_grpc.add_PrefillServicer_to_server(_SilentPrefill(instance_id, num_bytes), server)
     port = server.add_insecure_port(f"{HOST}:0")
     server.start()
-    _say(grpc=f"{HOST}:{port}", rendezvous=f"{HOST}:{store.port}", instance_id=instance_id)
+    _say(grpc=f"{HOST}:{port}", instance_id=instance_id)
     threading.Event().wait()
 
 

@@ -401,6 +401,8 @@ TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S", "PDSERVE_KV_
                 "PDSERVE_MAX_PULLED_WAITING",
                 "PDSERVE_MAX_BYPASS",
                 "PDSERVE_CONTEXT_IDLE_S",
+                "PDSERVE_PREFILL",
+                "PDSERVE_RESOLVE_INTERVAL_S",
             ],
         ),
         (

@@ -730,8 +730,9 @@ def test_start_commands_run_as_plain_processes(
                         "pdserve_decode_running" in scrape(f"127.0.0.1:{block.metrics}")
                         or start.service != "decode"
                     )
-                    if start.service == "prefill":
-                        socket.create_connection(("127.0.0.1", block.kv), timeout=5).close()
+                    if start.service == "prefill":  # no rendezvous store: pairs meet over gRPC
+                        with pytest.raises(OSError):
+                            socket.create_connection(("127.0.0.1", block.kv), timeout=5).close()
 
     gateway = f"127.0.0.1:{by_service['gateway']['PDSERVE_PORT']}"
     http = f"http://127.0.0.1:{by_service['gateway']['PDSERVE_HTTP_PORT']}"

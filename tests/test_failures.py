@@ -26,7 +26,6 @@ from decode_service.kv_puller import KvPuller
 from decode_service.metrics import DecodeMetrics
 from pdserve.kv.handle import HandleIssuer
 from pdserve.kv.layout import KvLayout, pack, unpack
-from pdserve.kv.rendezvous import host_store
 from pdserve.v1 import (
     decode_pb2,
     decode_pb2_grpc,
@@ -244,7 +243,6 @@ def test_prefill_killed_or_hung_mid_transfer_fails_the_pull_in_bound(
         handle.id = secrets.token_bytes(16)
         handle.prefill_address = where["grpc"]
         handle.prefill_instance_id = where["instance_id"]
-        handle.rendezvous_address = where["rendezvous"]
         before = scrape(decode.metrics)
 
         async def scenario() -> tuple[grpc.StatusCode, str, float]:
@@ -304,6 +302,7 @@ def test_a_flood_of_unknown_handles_is_refused_without_harm(stack: Stack) -> Non
                     handle_id=secrets.token_bytes(16 if i % 4 else 7),
                     decode_instance_id=f"stranger-{i}",
                     pair_generation=i % 5,
+                    pair_secret=secrets.token_bytes(32),
                 )
                 try:
                     await stub.PullKv(request, timeout=10)
@@ -491,11 +490,10 @@ def test_a_decode_follows_the_prefill_to_a_newer_pair_generation() -> None:
     layout = KvLayout(keys=((2, 4),) * 2, values=((2, 3),) * 2, dtype=torch.float32)
 
     async def scenario() -> None:
-        store = host_store("127.0.0.1", 0, timeout)
         now = [0.0]
         metrics = PrefillMetrics(CollectorRegistry())
         registry = KvRegistry(60.0)
-        sender = KvSender("prefill-x", store, "gloo", CPU, "127.0.0.1", timeout, metrics, 5.0, lambda: now[0])
+        sender = KvSender("prefill-x", "gloo", CPU, "127.0.0.1", timeout, metrics, 5.0, lambda: now[0])
         server = grpc.aio.server()
         prefill_pb2_grpc.add_PrefillServicer_to_server(KvHandoffServicer(registry, sender, metrics), server)
         port = server.add_insecure_port("127.0.0.1:0")
@@ -517,7 +515,6 @@ def test_a_decode_follows_the_prefill_to_a_newer_pair_generation() -> None:
         template = HandleIssuer(
             prefill_address=f"127.0.0.1:{port}",
             prefill_instance_id="prefill-x",
-            rendezvous_address=f"127.0.0.1:{store.port}",
             model_fingerprint="fp",
             layout=layout,
         )

@@ -59,7 +59,7 @@ def test_handle_describes_the_kv(stack_pool: StackPool) -> None:
         assert handle.num_tokens == 5
         assert handle.backend == "gloo"
         assert handle.prefill_address == stack.prefills[0].grpc
-        assert handle.rendezvous_address == stack.prefills[0].ready["kv_rendezvous"]
+        assert handle.rendezvous_address == "" and "kv_rendezvous" not in stack.prefills[0].ready
         assert handle.model_fingerprint
         assert handle.expires_at_unix > time.time()
         names = [t.name for t in handle.tensors]
@@ -134,7 +134,10 @@ def test_malformed_pull_is_invalid_argument(stack_pool: StackPool) -> None:
         (prefill_pb2.PullKvRequest(handle_id=secrets.token_bytes(16)), grpc.StatusCode.INVALID_ARGUMENT),
         (
             prefill_pb2.PullKvRequest(
-                handle_id=secrets.token_bytes(16), decode_instance_id="d", pair_generation=1
+                handle_id=secrets.token_bytes(16),
+                decode_instance_id="d",
+                pair_generation=1,
+                pair_secret=secrets.token_bytes(32),
             ),
             grpc.StatusCode.NOT_FOUND,
         ),

@@ -36,7 +36,7 @@ class Parked:
 
 
 def issuer(rank: int = 0) -> HandleIssuer:
-    return HandleIssuer("p:1", "prefill-a", "p:2", "fp", LAYOUT, PREFILL, rank)
+    return HandleIssuer("p:1", "prefill-a", "fp", LAYOUT, PREFILL, rank)
 
 
 def issued(num_tokens: int = 5) -> kv_pb2.KvHandle:
@@ -51,7 +51,7 @@ def test_an_issued_handle_carries_the_prefill_the_lease_and_every_tensor() -> No
     assert (handle.prefill_address, handle.prefill_instance_id, handle.rendezvous_address) == (
         "p:1",
         "prefill-a",
-        "p:2",
+        "",  # unused: pairs meet through the prefill's PairStore call
     )
     assert (handle.backend, handle.model_fingerprint, handle.rank) == ("gloo", "fp", 1)
     assert (list(handle.transports), handle.host_id, handle.device) == ([SHM, GLOO], "h1", "cpu")

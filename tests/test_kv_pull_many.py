@@ -1,7 +1,7 @@
 """Pulls that queue on one pair go together in one PullKvMany and one transfer, in order, each with
 its own outcome.
 
-Both sides in this process: the prefill's handoff servicer on a real gRPC server, its store and
+Both sides in this process: the prefill's handoff servicer on a real gRPC server, its
 sender, and a decode's KvPuller, over real gloo pairs on 127.0.0.1.
 """
 
@@ -22,7 +22,6 @@ from decode_service.kv_puller import KvPuller
 from decode_service.metrics import DecodeMetrics
 from pdserve.kv.handle import HandleIssuer
 from pdserve.kv.layout import KvLayout, pack
-from pdserve.kv.rendezvous import host_store
 from pdserve.rpc.errors import RpcError
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 from prefill_service.kv_registry import KvRegistry
@@ -41,10 +40,9 @@ class Handoff:
     """A prefill's handoff side serving on port 0, and one decode's puller."""
 
     async def start(self) -> Handoff:
-        self.store = host_store("127.0.0.1", 0, TIMEOUT)
         self.metrics = PrefillMetrics(CollectorRegistry())
         self.registry = KvRegistry(60.0)
-        self.sender = KvSender("prefill-m", self.store, "gloo", CPU, "127.0.0.1", TIMEOUT, self.metrics, 60.0)
+        self.sender = KvSender("prefill-m", "gloo", CPU, "127.0.0.1", TIMEOUT, self.metrics, 60.0)
         self.server = grpc.aio.server()
         prefill_pb2_grpc.add_PrefillServicer_to_server(
             KvHandoffServicer(self.registry, self.sender, self.metrics), self.server
@@ -54,7 +52,6 @@ class Handoff:
         self.template = HandleIssuer(
             prefill_address=f"127.0.0.1:{self.port}",
             prefill_instance_id="prefill-m",
-            rendezvous_address=f"127.0.0.1:{self.store.port}",
             model_fingerprint="fp",
             layout=LAYOUT,
         )

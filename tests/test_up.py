@@ -84,7 +84,8 @@ def test_up_serves_restarts_and_stops(cache_dir: Path, tmp_path: Path) -> None:
         gateway = ready["gateway"]["grpc"]
         assert set(ready["gateway"]) >= {"grpc", "metrics", "pid"}
         assert len(ready["prefill"]) == 1 and len(ready["decode"]) == 1
-        assert set(ready["prefill"][0]) >= {"grpc", "metrics", "kv_rendezvous", "pid"}
+        assert set(ready["prefill"][0]) >= {"grpc", "metrics", "pid"}
+        assert "kv_rendezvous" not in ready["prefill"][0]  # pairs meet over the prefill's gRPC port
         # The plan: both engines on the CPU, KV read in place from shared memory.
         assert ready["plan"] == {
             "devices": {"prefill-0": ["cpu"], "decode-0": ["cpu"]},

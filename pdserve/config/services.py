@@ -219,7 +219,10 @@ class EngineService:
 class PrefillSettings:
     """The prefill's own settings (a prefill service, and the prefill side of a colocated one)."""
 
-    kv_port: int = field(default=0, metadata={"help": "port of the KV rendezvous store (0 picks a free one)"})
+    kv_port: int = field(
+        default=0,
+        metadata={"help": "unused: KV pairs meet over the prefill's gRPC port (no rendezvous store)"},
+    )
     lease_s: float = field(default=30.0, metadata={"help": "seconds a parked KV waits to be pulled"})
     max_batch_tokens: int = field(default=0, metadata={"help": MAX_BATCH_TOKENS_HELP})
     kv_shm_bytes: int = field(
@@ -311,9 +314,23 @@ class PrefillConfig(PrefillSettings, EngineService):
         return self.batch_tokens_on(self.engine.device)
 
 
+DECODE_PREFILL_HELP = (
+    "prefills this decode pulls KV from (HOST:PORT, or dns:///NAME:PORT; any port of their hosts); "
+    "empty: only prefills of this host"
+)
+
+
 @dataclass(frozen=True)
 class DecodeConfig(DecodeSettings, EngineService):
+    prefill: tuple[str, ...] = field(default=(), metadata={"help": DECODE_PREFILL_HELP})
+    resolve_interval_s: float = field(
+        default=5.0, metadata={"help": "seconds between resolutions of the dns:/// prefill names"}
+    )
+
     def __post_init__(self) -> None:
+        for address in self.prefill:
+            check_backend_address("prefill", address)
+        check_positive("resolve_interval_s", self.resolve_interval_s)
         self.check_decode()
         self.transfer.check_device(self.engine.device, "decode")
         self.check_ep_ports()
@@ -324,7 +341,7 @@ C = TypeVar("C")
 
 def _part(cls: type[C], config: Any, **overrides: Any) -> C:
     """The ``cls`` config made of ``config``'s fields of the same names."""
-    values = {f.name: getattr(config, f.name) for f in fields(cls)}  # type: ignore[arg-type]
+    values = {f.name: getattr(config, f.name) for f in fields(cls) if hasattr(config, f.name)}  # type: ignore[arg-type]
     return cls(**{**values, **overrides})
 
 

@@ -245,8 +245,14 @@ class PairChannel:
     def _build_group(self) -> Any:
         # A connection of its own: a TCPStore client runs one call at a time, and the rendezvous
         # waits for the peer's keys, so a shared one would hold every other pair's build up.
-        clone = getattr(self._store, "clone", None)
-        store = dist.PrefixStore(self.prefix, clone() if clone is not None else self._store)
+        # A store written in Python (``RelayStore``) adds the prefix itself: torch's PrefixStore
+        # cannot wrap one.
+        prefixed = getattr(self._store, "prefixed", None)
+        if prefixed is not None:
+            store = prefixed(self.prefix)
+        else:
+            clone = getattr(self._store, "clone", None)
+            store = dist.PrefixStore(self.prefix, clone() if clone is not None else self._store)
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
             nccl_opts = dist.ProcessGroupNCCL.Options()

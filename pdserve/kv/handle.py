@@ -1,16 +1,17 @@
 """The KV handle: a prefill's lease on one parked KV, and the contract between prefill and decode.
 
 Lifecycle of a handle:
-1. a prefill makes one ``HandleIssuer`` for its life: its gRPC address, instance id, rendezvous
-   store, where it keeps KV (``pdserve.kv.transports.Place``), model fingerprint, expert-parallel
+1. a prefill makes one ``HandleIssuer`` for its life: its gRPC address, instance id, where it keeps KV (``pdserve.kv.transports.Place``), model fingerprint, expert-parallel
    rank and KV layout;
 2. each KV it parks gets a handle (``HandleIssuer.issue``): a fresh random id of
    ``HANDLE_ID_BYTES``, the token count, the packed size, the lease deadline, the shape and dtype
    of every tensor and the transports it can be moved by, under ``HANDLE_VERSION``;
 3. the handle travels prefill -> gateway -> decode inside gRPC messages;
-4. before any byte moves, the decode checks it against its own model and place (``HandleCheck``):
-   version, fingerprint, backend, token count, tensors, size and a transport both ends can use;
-   a decode refuses what it cannot use with FAILED_PRECONDITION;
+4. before it opens any connection, the decode checks every field (``HandleCheck``): the form of
+   the id, the prefill's address and instance id, the transports, the shared-memory domain, device,
+   rank and lease (a malformed handle: ``malformed``, INVALID_ARGUMENT), then against its own model
+   and place: version, fingerprint, backend, token count, tensors, size and a transport both ends
+   can use (``problem``: a decode refuses what it cannot use with FAILED_PRECONDITION);
 5. the decode redeems it on the prefill named in it (PullKv/PullKvMany by id); a prefill that
    has torn the pair's generation down answers ABORTED with the lowest generation it takes in the
    trailing metadata ``MIN_GENERATION_METADATA``.
@@ -19,12 +20,15 @@ Lifecycle of a handle:
 from __future__ import annotations
 
 import functools
+import math
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.kv.layout import KvLayout, spec_from_proto
-from pdserve.kv.transports import AUTO, Place, choose, network_backend
+from pdserve.kv.pair_secret import MAX_DECODE_ID_CHARS, is_owner_id
+from pdserve.kv.transports import AUTO, CUDA_IPC, GLOO, NCCL, SHM, Place, choose, network_backend
 from pdserve.v1 import kv_pb2
 
 HANDLE_VERSION = 2
@@ -33,6 +37,54 @@ HANDLE_ID_BYTES = 16
 MIN_GENERATION_METADATA = "pdserve-min-pair-generation"
 MAX_CACHED_LAYOUTS = 4096
 CPU_PLACE = Place(host_id="", device="cpu")
+MAX_ADDRESS_CHARS = 255
+MAX_RANK = 4095
+MAX_ID_CHARS = 128
+_TRANSPORTS = (SHM, CUDA_IPC, NCCL, GLOO)
+_HOST_ID = re.compile(r"[0-9a-f]{0,64}")
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,3})?")
+
+
+def address_problem(address: str) -> str | None:
+    """Why ``address`` is not a ``host:port`` a decode can dial, or None."""
+    if not address or len(address) > MAX_ADDRESS_CHARS or not address.isprintable() or " " in address:
+        return f"must be host:port, 1 to {MAX_ADDRESS_CHARS} characters"
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return "must be host:port with a port in [1, 65535]"
+    if host.startswith("[") != host.endswith("]"):
+        return "an IPv6 host must be in brackets"
+    return None
+
+
+def malformed(handle: kv_pb2.KvHandle) -> str | None:
+    """Why a handle's fields are malformed whatever the decode (INVALID_ARGUMENT), or None."""
+    if not is_handle_id(handle.id):
+        return f"kv_handle.id must be {HANDLE_ID_BYTES} bytes"
+    problem = address_problem(handle.prefill_address)
+    if problem is not None:
+        return f"kv_handle.prefill_address {problem}"
+    if not is_owner_id(handle.prefill_instance_id):
+        return f"kv_handle.prefill_instance_id must be 1 to {MAX_DECODE_ID_CHARS} letters, digits, '.', '_' or '-'"
+    if handle.rendezvous_address:
+        return "kv_handle.rendezvous_address must be empty"
+    if not handle.transports or len(handle.transports) > len(_TRANSPORTS):
+        return f"kv_handle.transports must name 1 to {len(_TRANSPORTS)} transports"
+    if any(t not in _TRANSPORTS for t in handle.transports):
+        return f"kv_handle.transports must be among {list(_TRANSPORTS)}"
+    if not _HOST_ID.fullmatch(handle.host_id):
+        return "kv_handle.host_id must be lowercase hex (at most 64 digits)"
+    if not _DEVICE.fullmatch(handle.device):
+        return "kv_handle.device must be 'cpu' or 'cuda:N'"
+    if len(handle.device_uuid) > MAX_ID_CHARS or not handle.device_uuid.isprintable():
+        return f"kv_handle.device_uuid must be at most {MAX_ID_CHARS} printable characters"
+    if handle.rank > MAX_RANK:
+        return f"kv_handle.rank must be <= {MAX_RANK}"
+    if not math.isfinite(handle.expires_at_unix) or handle.expires_at_unix < 0:
+        return "kv_handle.expires_at_unix must be a finite time"
+    if len(handle.tensors) > 2 * 4096:
+        return "kv_handle has too many tensors"
+    return None
 
 
 def new_handle_id() -> bytes:
@@ -72,7 +124,6 @@ class HandleIssuer:
 
     prefill_address: str
     prefill_instance_id: str
-    rendezvous_address: str
     model_fingerprint: str
     layout: KvLayout
     place: Place = CPU_PLACE
@@ -84,7 +135,6 @@ class HandleIssuer:
             id=parked.handle_id,
             prefill_address=self.prefill_address,
             prefill_instance_id=self.prefill_instance_id,
-            rendezvous_address=self.rendezvous_address,
             backend=network_backend(self.place.device),
             model_fingerprint=self.model_fingerprint,
             num_tokens=parked.num_tokens,

@@ -31,16 +31,18 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., kv_handle: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class PullKvRequest(_message.Message):
-    __slots__ = ("handle_id", "decode_instance_id", "pair_generation", "transport")
+    __slots__ = ("handle_id", "decode_instance_id", "pair_generation", "transport", "pair_secret")
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PAIR_GENERATION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PAIR_SECRET_FIELD_NUMBER: _ClassVar[int]
     handle_id: bytes
     decode_instance_id: str
     pair_generation: int
     transport: str
-    def __init__(self, handle_id: _Optional[bytes] = ..., decode_instance_id: _Optional[str] = ..., pair_generation: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+    pair_secret: bytes
+    def __init__(self, handle_id: _Optional[bytes] = ..., decode_instance_id: _Optional[str] = ..., pair_generation: _Optional[int] = ..., transport: _Optional[str] = ..., pair_secret: _Optional[bytes] = ...) -> None: ...
 
 class PullKvResponse(_message.Message):
     __slots__ = ("num_bytes",)
@@ -49,16 +51,18 @@ class PullKvResponse(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
 
 class PullKvManyRequest(_message.Message):
-    __slots__ = ("handle_ids", "decode_instance_id", "pair_generation", "transport")
+    __slots__ = ("handle_ids", "decode_instance_id", "pair_generation", "transport", "pair_secret")
     HANDLE_IDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PAIR_GENERATION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PAIR_SECRET_FIELD_NUMBER: _ClassVar[int]
     handle_ids: _containers.RepeatedScalarFieldContainer[bytes]
     decode_instance_id: str
     pair_generation: int
     transport: str
-    def __init__(self, handle_ids: _Optional[_Iterable[bytes]] = ..., decode_instance_id: _Optional[str] = ..., pair_generation: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+    pair_secret: bytes
+    def __init__(self, handle_ids: _Optional[_Iterable[bytes]] = ..., decode_instance_id: _Optional[str] = ..., pair_generation: _Optional[int] = ..., transport: _Optional[str] = ..., pair_secret: _Optional[bytes] = ...) -> None: ...
 
 class PullKvManyResponse(_message.Message):
     __slots__ = ("num_bytes", "lent")
@@ -69,13 +73,49 @@ class PullKvManyResponse(_message.Message):
     def __init__(self, num_bytes: _Optional[_Iterable[int]] = ..., lent: _Optional[_Iterable[_Union[_kv_pb2.LentKv, _Mapping]]] = ...) -> None: ...
 
 class ReleaseKvRequest(_message.Message):
-    __slots__ = ("handle_id",)
+    __slots__ = ("handle_id", "decode_instance_id", "pair_secret")
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAIR_SECRET_FIELD_NUMBER: _ClassVar[int]
     handle_id: bytes
-    def __init__(self, handle_id: _Optional[bytes] = ...) -> None: ...
+    decode_instance_id: str
+    pair_secret: bytes
+    def __init__(self, handle_id: _Optional[bytes] = ..., decode_instance_id: _Optional[str] = ..., pair_secret: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseKvResponse(_message.Message):
     __slots__ = ("released",)
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class PairStoreRequest(_message.Message):
+    __slots__ = ("decode_instance_id", "pair_secret", "pair_generation", "op", "keys", "value", "expected", "amount", "timeout_s")
+    DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAIR_SECRET_FIELD_NUMBER: _ClassVar[int]
+    PAIR_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    decode_instance_id: str
+    pair_secret: bytes
+    pair_generation: int
+    op: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    value: bytes
+    expected: bytes
+    amount: int
+    timeout_s: float
+    def __init__(self, decode_instance_id: _Optional[str] = ..., pair_secret: _Optional[bytes] = ..., pair_generation: _Optional[int] = ..., op: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class PairStoreResponse(_message.Message):
+    __slots__ = ("value", "number", "ready")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    number: int
+    ready: bool
+    def __init__(self, value: _Optional[bytes] = ..., number: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...

@@ -55,6 +55,11 @@ class PrefillStub:
                 request_serializer=pdserve_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_prefill__pb2.ReleaseKvResponse.FromString,
                 _registered_method=True)
+        self.PairStore = channel.unary_unary(
+                '/pdserve.v1.Prefill/PairStore',
+                request_serializer=pdserve_dot_v1_dot_prefill__pb2.PairStoreRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_prefill__pb2.PairStoreResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -95,6 +100,15 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PairStore(self, request, context):
+        """Called by a decode while it builds its side of a pair (network transports): one operation on
+        the pair's own key-value store, which lives in this prefill and only that pair's two ends can
+        reach (the decode presents the pair's secret). Nothing of a pair travels through any other store.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -117,6 +131,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.ReleaseKv,
                     request_deserializer=pdserve_dot_v1_dot_prefill__pb2.ReleaseKvRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_prefill__pb2.ReleaseKvResponse.SerializeToString,
+            ),
+            'PairStore': grpc.unary_unary_rpc_method_handler(
+                    servicer.PairStore,
+                    request_deserializer=pdserve_dot_v1_dot_prefill__pb2.PairStoreRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_prefill__pb2.PairStoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +247,33 @@ class Prefill:
             '/pdserve.v1.Prefill/ReleaseKv',
             pdserve_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
             pdserve_dot_v1_dot_prefill__pb2.ReleaseKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PairStore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/PairStore',
+            pdserve_dot_v1_dot_prefill__pb2.PairStoreRequest.SerializeToString,
+            pdserve_dot_v1_dot_prefill__pb2.PairStoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

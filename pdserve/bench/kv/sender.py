@@ -67,7 +67,7 @@ async def run(config: BenchKvConfig, emit: Callable[[dict[str, Any]], None]) -> 
     place = cuda_ipc.place_of(device, host_id(shm_dir) if backend in SAME_HOST else "")
     space = KvSpace(backend, place, device, arena)
     lender = KvLender(partial(is_alive, shm_dir))
-    sender = KvSender(instance_id, store, transfer_backend(backend), device, config.host, timeout, metrics)
+    sender = KvSender(instance_id, transfer_backend(backend), device, config.host, timeout, metrics)
     server = grpc.aio.server()
     servicer = KvHandoffServicer(registry, sender, metrics, lender)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
@@ -76,7 +76,6 @@ async def run(config: BenchKvConfig, emit: Callable[[dict[str, Any]], None]) -> 
     template = HandleIssuer(
         prefill_address=f"{config.host}:{port}",
         prefill_instance_id=instance_id,
-        rendezvous_address=rendezvous,
         model_fingerprint=FINGERPRINT,
         layout=config.layout(),
         place=place,
