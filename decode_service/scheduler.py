@@ -83,7 +83,7 @@ class Scheduler:
             if seq.cancelled.is_set():
                 self.waiting.popleft().drop_kv()
                 continue
-            reason = finish_reason(seq.first_token_id, 1, seq.params, self._eos_token_ids)
+            reason = finish_reason(seq.first_token_id, seq.num_generated, seq.params, self._eos_token_ids)
             if reason is not None:
                 self.waiting.popleft().drop_kv()
                 deliver([Emission(seq, finish_reason=reason)])

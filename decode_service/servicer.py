@@ -4,7 +4,8 @@
 them in one message (``pdserve.rpc.update_stream``); ``Decode`` is a DecodeMany call of one request.
 Each request:
 1. is validated, checked to fit the pool ever, and its KV pulled (``_prepare``);
-2. joins the engine as a ``DecodeSequence`` whose emissions become its updates;
+2. joins the engine as a ``DecodeSequence`` whose emissions become its updates (a resumed request,
+   ``num_generated`` > 0, continues at the step after its first token's);
 3. ends at its last update (finish reason, or the engine's error as a status); cancelling the call
    or the request cancels its sequence.
 """
@@ -79,6 +80,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             emit,
             loop=asyncio.get_running_loop(),
             release_kv=pulled.release,
+            num_generated=request.num_generated + 1,
         )
         self._engine.submit(seq)
         try:
@@ -95,9 +97,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 raise ValueError("sampling.seed must be set on decode requests that sample")
             if not request.HasField("kv_handle"):
                 raise ValueError("kv_handle is required")
+            _check_resumed(request, params)
         except ValueError as exc:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        needed = request.kv_handle.num_tokens + params.max_tokens - 1
+        needed = request.kv_handle.num_tokens + params.max_tokens - 1 - request.num_generated
         if not self._engine.fits_ever(needed):
             raise RpcError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -109,3 +112,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             logger.warning("request %s: %s", request.request_id, exc.message)
             raise
         return params, pulled
+
+
+def _check_resumed(request: decode_pb2.DecodeRequest, params: SamplingParams) -> None:
+    """A resumed request's ``num_generated``: below max_tokens, and its tokens inside the KV."""
+    if request.num_generated >= params.max_tokens:
+        raise ValueError(
+            f"num_generated = {request.num_generated} must be below sampling.max_tokens = {params.max_tokens}"
+        )
+    if request.num_generated >= request.kv_handle.num_tokens:
+        raise ValueError(
+            f"num_generated = {request.num_generated} must be below kv_handle.num_tokens = "
+            f"{request.kv_handle.num_tokens} (the KV holds the prompt, then the generated tokens)"
+        )

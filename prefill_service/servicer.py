@@ -175,7 +175,7 @@ class PrefillServicer(KvHandoffServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
         try:
             params = sampling_from_proto(request.sampling)
-            self._m.limits.check_request(request.prompt_token_ids, params)
+            self._m.limits.check_request(request.prompt_token_ids, params, request.num_generated)
             if not params.is_greedy and params.seed is None:
                 raise ValueError("sampling.seed must be set on prefill requests that sample")
         except ValueError as exc:
@@ -183,7 +183,7 @@ class PrefillServicer(KvHandoffServicer):
         self._metrics.requests.inc()
         self._metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         try:
-            result = await self._engine.run(request.prompt_token_ids, params)
+            result = await self._engine.run(request.prompt_token_ids, params, request.num_generated)
         except ForwardUnavailable as exc:
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"prefill could not run: {exc}")
         self._metrics.forward_seconds.observe(result.forward_seconds)
