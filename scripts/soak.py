@@ -2,9 +2,9 @@
 
 Usage: python scripts/soak.py [--streams 256] [--duration-s 600] [--kill-every-s 120] [--json PATH]
 
-1. starts ``pdserve up`` (2 prefills and 2 decodes on CPU by default) and reads its ready line;
-2. computes the greedy reference of every prompt once, in this process, with the same model
+1. computes the greedy reference of every prompt once, in this process, with the same model
    (the requests ignore EOS, so every one has exactly --max-tokens tokens);
+2. starts ``pdserve up`` (2 prefills and 2 decodes on CPU by default) and reads its ready line;
 3. runs --streams clients, each sending requests back to back until --duration-s has passed; an
    answer counts as failed when it ends with an error or differs from its reference in one token;
 4. every --kill-every-s, SIGKILLs one decode and one prefill (each replica in turn); ``pdserve up``'s
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import signal
 import subprocess
@@ -154,16 +153,15 @@ def start_up(args: argparse.Namespace, log: TextIO) -> tuple[subprocess.Popen[st
 
 
 def current_pid(up: subprocess.Popen[str], service: Service) -> int | None:
-    """The pid of the process serving ``service`` now (a restarted replica has a new one)."""
-    port = service.grpc.rpartition(":")[2]
+    """The pid of the process listening on ``service``'s gRPC port now (a restarted replica has a
+    new one)."""
+    port = int(service.grpc.rpartition(":")[2])
     with contextlib.suppress(psutil.Error):
         for child in psutil.Process(up.pid).children():
             with contextlib.suppress(psutil.Error):
-                cmdline = child.cmdline()
-                if service.role in cmdline and any(
-                    a == "--port" and b == port for a, b in itertools.pairwise(cmdline)
-                ):
-                    return int(child.pid)
+                for conn in child.net_connections(kind="tcp"):
+                    if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+                        return int(child.pid)
     return None
 
 
@@ -349,16 +347,26 @@ def rss_summary(tracks: list[RssTrack], args: argparse.Namespace) -> dict[str, A
     return summary
 
 
-async def soak(
-    args: argparse.Namespace, up: subprocess.Popen[str], services: list[Service]
-) -> dict[str, Any]:
+def references(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]], float]:
+    """The prompts, their greedy references and the seconds it took to compute them."""
+    torch.set_num_threads(1)
     model = load_reference_model(args)
     prompts = make_prompts(args, int(model.config.vocab_size))
     began = time.monotonic()
-    references = [greedy_reference(model, p, args.max_tokens) for p in prompts]
-    reference_s = time.monotonic() - began
-    del model
+    expected = [greedy_reference(model, p, args.max_tokens) for p in prompts]
+    seconds = time.monotonic() - began
+    print(f"soak: {len(prompts)} references computed in {seconds:.1f} s", file=sys.stderr, flush=True)
+    return prompts, expected, seconds
 
+
+async def soak(
+    args: argparse.Namespace,
+    up: subprocess.Popen[str],
+    services: list[Service],
+    prompts: list[list[int]],
+    references: list[list[int]],
+    reference_s: float,
+) -> dict[str, Any]:
     gateway = services[0]
     before = scrape(gateway.metrics)
     channels = [grpc.aio.insecure_channel(gateway.grpc) for _ in range(NUM_CHANNELS)]
@@ -439,9 +447,11 @@ async def soak(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log: TextIO = open(args.log, "a") if args.log else sys.stderr  # noqa: SIM115
+    prompts, expected, reference_s = references(args)
     up, services = start_up(args, log)
+    print(f"soak: pdserve up is ready; {args.streams} streams for {args.duration_s:g} s", file=sys.stderr)
     try:
-        summary = asyncio.run(soak(args, up, services))
+        summary = asyncio.run(soak(args, up, services, prompts, expected, reference_s))
     finally:
         up.send_signal(signal.SIGTERM)
         try:
