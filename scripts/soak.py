@@ -8,7 +8,9 @@ Usage: python scripts/soak.py [--streams 256] [--duration-s 600] [--kill-every-s
 3. runs --streams clients, each sending requests back to back until --duration-s has passed; an
    answer counts as failed when it ends with an error or differs from its reference in one token;
 4. every --kill-every-s, SIGKILLs one decode and one prefill (each replica in turn); ``pdserve up``'s
-   supervisor restarts them on their addresses, and the gateway moves the streams they held;
+   supervisor restarts them on their addresses, and the gateway moves the streams they held. A round
+   waits until the previous victims serve again (``waited_s`` in the summary): killing the last
+   serving replica of a role would leave nothing to move the streams to;
 5. samples the RSS of every service every --sample-every-s: after --warm-up-s (counted from the
    start of each process: a restarted replica warms up again) it must stay within --rss-tolerance
    of its first sample after warm-up;
@@ -274,32 +276,50 @@ async def sample_rss(
             await asyncio.wait_for(stop.wait(), args.sample_every_s)
 
 
+async def all_serving(gateway: Service, args: argparse.Namespace) -> bool:
+    """Whether the gateway sees every replica SERVING (a killed one is back)."""
+    try:
+        m = await asyncio.to_thread(scrape, gateway.metrics)
+    except OSError:
+        return False
+    wanted = {"prefill": args.prefills, "decode": args.decodes}
+    return all(m.get(f"pdserve_gateway_backends_serving{{role={r}}}", 0) >= n for r, n in wanted.items())
+
+
 async def killer(
     up: subprocess.Popen[str], services: list[Service], args: argparse.Namespace, stop_at: float
 ) -> list[dict[str, Any]]:
+    """Every --kill-every-s, SIGKILLs a decode and a prefill; a round waits until the replicas killed
+    before serve again (killing the last one of a role would leave nothing to move streams to)."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     kills: list[dict[str, Any]] = []
     if args.kill_every_s <= 0:
         return kills
     by_role = {role: [s for s in services if s.role == role] for role in ("prefill", "decode")}
-    round_ = 0
+    due = started
     while True:
-        due = started + (round_ + 1) * args.kill_every_s
+        due += args.kill_every_s
         if due >= stop_at:
             return kills
-        await asyncio.sleep(due - loop.time())
+        await asyncio.sleep(max(0.0, due - loop.time()))
+        while not await all_serving(services[0], args):
+            if loop.time() >= stop_at:
+                return kills
+            await asyncio.sleep(1.0)
+        round_ = len(kills)
         killed: dict[str, Any] = {"at_s": round(loop.time() - started, 1)}
+        killed["waited_s"] = round(loop.time() - due, 1)  # for the previous victims to serve again
         for role in ("decode", "prefill"):
             victim = by_role[role][round_ % len(by_role[role])]
             pid = current_pid(up, victim)
             if pid is not None:
-                with contextlib.suppress(ProcessLookupError):
+                with contextlib.suppress(ProcessLookupError, psutil.Error):
                     psutil.Process(pid).send_signal(signal.SIGKILL)
             killed[role] = victim.name if pid is not None else f"{victim.name} (not running)"
         print(f"soak: killed {killed}", file=sys.stderr, flush=True)
         kills.append(killed)
-        round_ += 1
+        due = max(due, loop.time())
 
 
 def leaks(services: list[Service]) -> dict[str, dict[str, float]]:

@@ -43,7 +43,7 @@ def test_the_soak_runs_kills_and_checks(cache_dir: Path, tmp_path: Path) -> None
     assert summary == json.loads(done.stdout)
     assert summary["failed"] == 0, summary["first_failures"]
     assert summary["completed"] > 0 and summary["mismatched"] == 0
-    assert [set(k) for k in summary["kills"]] == [{"at_s", "decode", "prefill"}]
+    assert [set(k) for k in summary["kills"]] == [{"at_s", "waited_s", "decode", "prefill"}]
     assert summary["kills"][0]["decode"] == "decode-0" and summary["kills"][0]["prefill"] == "prefill-0"
     assert summary["leaks"] == {}
     assert summary["rss_judged"], "no RSS sample after warm-up"
