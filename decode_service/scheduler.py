@@ -127,7 +127,9 @@ class Scheduler:
                 seq.drop_kv()
                 expired.append(seq)
             elif (
-                reason := finish_reason(seq.first_token_id, 1, seq.params, self._eos_token_ids)
+                reason := finish_reason(
+                    seq.first_token_id, seq.num_generated, seq.params, self._eos_token_ids
+                )
             ) is not None:
                 seq.drop_kv()
                 finished.append(Emission(seq, finish_reason=reason))

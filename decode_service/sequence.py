@@ -41,7 +41,7 @@ class DecodeSequence:
     params: SamplingParams
     emit: EmitFn
     cancelled: threading.Event = field(default_factory=threading.Event)
-    num_generated: int = 1
+    num_generated: int = 1  # tokens generated so far, the first one included (more when resumed)
     last_token_id: int = -1
     num_cached: int = 0  # positions whose KV is in the pool
     blocks: list[int] = field(default_factory=list)
@@ -71,8 +71,9 @@ class DecodeSequence:
         return int(self.kv[0][0].shape[1]) if self.kv else self.num_cached
 
     def max_cached_tokens(self) -> int:
-        """Positions this request may ever write: the prompt, then every token but the last."""
-        return self.num_prompt_tokens + self.params.max_tokens - 1
+        """Positions this request may ever write: the prompt, then every token but the last (the
+        tokens generated so far have their positions counted already, or come as their next input)."""
+        return self.num_prompt_tokens + self.params.max_tokens - self.num_generated
 
     def append_token(self, token_id: int) -> None:
         """A step ran this sequence: its input position is cached and ``token_id`` is its next input."""

@@ -9,7 +9,8 @@ Each request:
    pulled or pulling and not yet running), then pulls its KV (``_prepare``): a pulled KV does not
    wait long for the running set, and a request that cannot pull within ``PULL_WAIT_S`` (the
    prefill's lease would run out) is RESOURCE_EXHAUSTED;
-3. joins the engine as a ``DecodeSequence`` whose emissions become its updates;
+3. joins the engine as a ``DecodeSequence`` whose emissions become its updates (a resumed request,
+   ``num_generated`` > 0, continues at the step after its first token's);
 4. ends at its last update (finish reason, or the engine's error as a status); cancelling the call
    or the request cancels its sequence. Its ``timeout_s`` is its deadline: once it passed, the
    request ends with DEADLINE_EXCEEDED wherever it is.
@@ -111,6 +112,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             loop=asyncio.get_running_loop(),
             release_kv=pulled.release,
             deadline=deadline,
+            num_generated=request.num_generated + 1,
         )
         self._engine.submit(seq)
         try:
@@ -142,9 +144,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     f"kv_handle.num_tokens ({request.kv_handle.num_tokens}) + sampling.max_tokens must "
                     f"be <= the model's context {self._limits.max_model_len}"
                 )
+            _check_resumed(request, params)
         except ValueError as exc:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        needed = request.kv_handle.num_tokens + params.max_tokens - 1
+        needed = request.kv_handle.num_tokens + params.max_tokens - 1 - request.num_generated
         if not self._engine.fits_ever(needed):
             raise RpcError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -193,3 +196,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     await asyncio.sleep(ROOM_POLL_S)
         finally:
             self._gated -= 1
+
+
+def _check_resumed(request: decode_pb2.DecodeRequest, params: SamplingParams) -> None:
+    """A resumed request's ``num_generated``: below max_tokens, and its tokens inside the KV."""
+    if request.num_generated >= params.max_tokens:
+        raise ValueError(
+            f"num_generated = {request.num_generated} must be below sampling.max_tokens = {params.max_tokens}"
+        )
+    if request.num_generated >= request.kv_handle.num_tokens:
+        raise ValueError(
+            f"num_generated = {request.num_generated} must be below kv_handle.num_tokens = "
+            f"{request.kv_handle.num_tokens} (the KV holds the prompt, then the generated tokens)"
+        )

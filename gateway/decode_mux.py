@@ -26,13 +26,17 @@ from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 
 class DecodeFailure(Exception):
-    """A request's call failed; ``backend_down``: because the backend's health probe says it is down."""
+    """A request's call failed; ``backend_down``: because the backend's health probe says it is down;
+    ``local``: because the gateway cancelled it (shutting down), not the backend."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, backend_down: bool = False) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, details: str, backend_down: bool = False, local: bool = False
+    ) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
         self.backend_down = backend_down
+        self.local = local
 
 
 @dataclass(eq=False)
@@ -130,7 +134,7 @@ class DecodeMux:
         except grpc.aio.AioRpcError as exc:
             failure = DecodeFailure(exc.code(), exc.details() or "")
         except asyncio.CancelledError:
-            failure = DecodeFailure(grpc.StatusCode.CANCELLED, "the gateway is shutting down")
+            failure = DecodeFailure(grpc.StatusCode.CANCELLED, "the gateway is shutting down", local=True)
         self._fail(call, failure)
         self._calls.discard(call)
         for task in call.tasks:

@@ -34,8 +34,14 @@ class GatewayMetrics:
         )
         self.retries = Counter(
             "pdserve_gateway_retries",
-            "Request attempts run again after a prefill or decode failed, by the stage that failed",
+            "Request attempts run again after a prefill or decode failed, by the stage that failed "
+            "(decode: the request moved to another decode)",
             ["stage"],
+            registry=registry,
+        )
+        self.migrated_tokens = Counter(
+            "pdserve_gateway_migrated_tokens",
+            "Tokens already delivered of requests that moved to another decode (prefilled again)",
             registry=registry,
         )
         self.backends_serving = Gauge(

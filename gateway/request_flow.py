@@ -13,16 +13,23 @@
 Its request-level metrics (``gateway.request_metrics``) are observed along the way. A prefill
 holding a request's parked KV stays open until the request ends, even when DNS no longer lists it.
 
-Failures. An attempt fails when its call ends with UNAVAILABLE, DEADLINE_EXCEEDED or ABORTED, or
-when its backend stops answering health checks (the call is then cancelled). Up to MAX_ATTEMPTS
-per stage, the request runs again:
-- a failed Prefill runs on another prefill (nothing was streamed yet);
-- a failed Decode that has not streamed any token yet runs on another decode with the KV of a new
-  prefill. The first token already streamed stays: the prompt's KV does not depend on it. The KV
-  parked by the failed attempt is released. A decode that answers ABORTED could not get the KV
-  from its prefill: the new prefill is another one, and the same decode may run it.
-Once decode tokens have reached the client, the stream ends with UNAVAILABLE and a message saying
-how many tokens were delivered.
+Failures. An attempt fails when its call ends with UNAVAILABLE, DEADLINE_EXCEEDED or ABORTED (or
+CANCELLED by the backend), or when its backend stops answering health checks (a killed or hung
+process: the call is then cancelled). A draining decode finishes its streams within its grace
+period; those still running after it end with UNAVAILABLE and fail the same way.
+- a failed Prefill runs on another prefill, up to MAX_ATTEMPTS times per prefill stage;
+- a failed Decode *migrates*: the request is prefilled again with the prompt followed by every
+  token already relayed to the client, at the sampling step after them (``num_generated``: the
+  request's random stream is indexed by step, and every finish rule counts the whole request), and
+  that prefill's token is streamed and decoded on from its KV as the first token was. The client
+  sees one stream, token for token what an undisturbed run gives (greedy, or seeded: the gateway
+  chose the seed of a request that samples without one). The text stream (detokenizer and
+  stop-string holdback) goes on across the move, so no text is repeated or skipped. The KV parked by
+  the failed attempt and not pulled is released. A decode that answers ABORTED could not get the KV
+  from its prefill (the prefill died or its pair broke before the pull): the new prefill is another
+  one, and the same decode may run it; otherwise the next decode is another one when one serves.
+A request moves at most MAX_MIGRATIONS times; the next failure, or no decode or prefill left to
+run it, ends the stream with UNAVAILABLE and a message saying how many tokens were delivered.
 
 Overload and deadlines. A prefill that answers RESOURCE_EXHAUSTED (its queue is full) is left for
 another prefill not tried yet; with none left, and for a full decode, the request is shed to the
@@ -39,7 +46,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -65,23 +72,24 @@ PrefillBackend = Backend[prefill_pb2_grpc.PrefillStub]
 DecodeBackend = Backend[decode_pb2_grpc.DecodeStub]
 
 RELEASE_TIMEOUT_S = 5.0
-MAX_ATTEMPTS = 3
+MAX_ATTEMPTS = 3  # prefill calls per prefill stage (the first, then others after failures)
+MAX_MIGRATIONS = 3  # times one request's decode may be lost and the request continued elsewhere
 RETRIABLE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
 )
 
 
 class _AttemptFailed(Exception):
-    def __init__(self, code: grpc.StatusCode, where: str, details: str, streamed: int = 0) -> None:
+    def __init__(self, code: grpc.StatusCode, where: str, details: str, by_backend: bool = False) -> None:
         super().__init__(f"{where} failed ({code.name}: {details})")
         self.code = code
         self.where = where
         self.details = details
-        self.streamed = streamed  # tokens this attempt streamed to the client
+        self.by_backend = by_backend  # the backend ended the call itself (not the gateway)
 
     @property
     def retriable(self) -> bool:
-        return self.code in RETRIABLE
+        return self.code in RETRIABLE or (self.by_backend and self.code == grpc.StatusCode.CANCELLED)
 
     def error(self, delivered: int) -> RpcError:
         if self.code in (
@@ -101,6 +109,45 @@ class _Parked:
     prefill: PrefillBackend
     handle: kv_pb2.KvHandle
     pulled: bool = False
+
+
+@dataclass
+class _Progress:
+    """What one request has streamed so far, across the decodes it moved between."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: Any
+    text: TextStream
+    delivered: list[int] = field(default_factory=list)  # token ids relayed to the client, in order
+
+    def prefill_request(self) -> prefill_pb2.PrefillRequest:
+        """The prefill of the request from where it is: the prompt, then every delivered token."""
+        return prefill_pb2.PrefillRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_ids + self.delivered,
+            sampling=self.sampling,
+            num_generated=len(self.delivered),
+        )
+
+    def relay(
+        self, token_ids: list[int], reason: str | None
+    ) -> tuple[gateway_pb2.GenerateResponse, str | None]:
+        """The response carrying ``token_ids`` (the text they make final, stop strings applied) and
+        the request's finish reason after them; its tokens count as delivered."""
+        chunk = self.text.add(token_ids)
+        reason = STOP if chunk.stopped else reason
+        if reason is not None and not chunk.stopped:
+            chunk = _join(chunk, self.text.finish())
+        first = not self.delivered
+        self.delivered.extend(chunk.token_ids)
+        response = _response(
+            chunk,
+            reason,
+            request_id=self.request_id if first else "",
+            num_prompt_tokens=len(self.prompt_ids) if first else 0,
+        )
+        return response, reason
 
 
 class RequestFlow:
@@ -158,81 +205,89 @@ class RequestFlow:
         if not params.is_greedy and params.seed is None:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         started = time.perf_counter()
-        sampling = sampling_to_proto(params)
-        text = TextStream(self._tokenizer, params.stop)
-        prefill_request = prefill_pb2.PrefillRequest(
-            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling
+        run = _Progress(
+            request_id, list(prompt_ids), sampling_to_proto(params), TextStream(self._tokenizer, params.stop)
         )
 
         prefill, first, sent_at = await self._prefill(
-            prefill_request, timer, avoid=(), delivered=0, deadline=deadline
+            run.prefill_request(), timer, avoid=(), delivered=0, deadline=deadline
         )
         self._metrics.ttft_seconds.observe(time.perf_counter() - started)
         timer.prefilled(sent_at, first.queue_seconds, len(prompt_ids))
-        parked = _park(prefill, first.kv_handle) if first.HasField("kv_handle") else None
+        parked: _Parked | None = None
         sent: tuple[DecodeBackend, MuxedRequest] | None = None  # sent to a decode, not yet read
+        failed_decodes: list[DecodeBackend] = []
+        migrations = 0
         try:
-            chunk = text.add([first.first_token_id])
-            reason = STOP if chunk.stopped else (first.finish_reason or None)
-            if reason is not None and not chunk.stopped:
-                chunk = _join(chunk, text.finish())
-            if reason is None and parked is not None:
-                early = self._decodes.pick_now()
-                if early is not None:
-                    sent = (early, self._start(early, request_id, parked, first, sampling, deadline))
-            yield _response(chunk, reason, request_id=request_id, num_prompt_tokens=len(prompt_ids))
-            if reason is not None:
-                self._metrics.finished.labels(reason).inc()
-                return
-            if parked is None:
-                raise RpcError(
-                    grpc.StatusCode.INTERNAL, "prefill returned neither a finish reason nor a KV handle"
-                )
-
-            failed_decodes: list[DecodeBackend] = []
-            for attempt in range(1, MAX_ATTEMPTS + 1):
+            while True:  # one prefill's answer, then decode from its KV
+                parked = _park(prefill, first.kv_handle) if first.HasField("kv_handle") else None
+                step = len(run.delivered)  # the sampling step of the prefill's token
+                response, reason = run.relay([first.first_token_id], first.finish_reason or None)
+                if reason is None and parked is not None:
+                    early = self._decodes.pick_now(failed_decodes)
+                    if early is not None:
+                        sent = (early, self._start(early, run, parked, first.first_token_id, step, deadline))
+                yield response
+                if reason is not None:
+                    self._metrics.finished.labels(reason).inc()
+                    return
+                if parked is None:
+                    raise RpcError(
+                        grpc.StatusCode.INTERNAL, "prefill returned neither a finish reason nor a KV handle"
+                    )
                 decode: DecodeBackend
                 if sent is not None:
                     decode, muxed = sent
                     sent = None
                 else:
-                    decode = await self._pick(self._decodes, failed_decodes, delivered=text.num_tokens)
-                    muxed = self._start(decode, request_id, parked, first, sampling, deadline)
+                    decode = await self._pick(self._decodes, failed_decodes, delivered=len(run.delivered))
+                    muxed = self._start(decode, run, parked, first.first_token_id, step, deadline)
                 try:
-                    async for response in self._decode(decode, muxed, parked, text):
+                    async for response in self._decode(decode, muxed, parked, run):
                         yield response
                     return
                 except _AttemptFailed as failure:
-                    deadline.check(delivered=text.num_tokens)
+                    deadline.check(delivered=len(run.delivered))
                     if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         self._metrics.shed.labels("decode").inc()
-                    if failure.streamed or not failure.retriable or attempt == MAX_ATTEMPTS:
-                        raise failure.error(delivered=text.num_tokens) from None
-                    logger.warning("request %s: %s; running it again", request_id, failure)
+                    migrations += 1
+                    if not failure.retriable:
+                        raise failure.error(delivered=len(run.delivered)) from None
+                    if migrations > MAX_MIGRATIONS:
+                        raise RpcError(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"{failure}; the request lost its decode {migrations} times and is not "
+                            f"moved again, after {len(run.delivered)} tokens were delivered",
+                        ) from None
+                    logger.warning(
+                        "request %s: %s after %d tokens were delivered; continuing it on another decode",
+                        request_id,
+                        failure,
+                        len(run.delivered),
+                    )
                     self._metrics.retries.labels("decode").inc()
+                    self._metrics.migrated_tokens.inc(len(run.delivered))
                     failed_prefill = parked.prefill
-                    self._release_later(parked)
+                    self._let_go(parked)
                     parked = None
                     if failure.code != grpc.StatusCode.ABORTED:
                         failed_decodes.append(decode)
                     avoid = [failed_prefill] if failure.code == grpc.StatusCode.ABORTED else []
-                    prefill, again, _ = await self._prefill(
-                        prefill_request, timer, avoid, delivered=text.num_tokens, deadline=deadline
+                    prefill, first, _ = await self._prefill(
+                        run.prefill_request(), timer, avoid, delivered=len(run.delivered), deadline=deadline
                     )
-                    if not again.HasField("kv_handle"):
-                        raise RpcError(
-                            grpc.StatusCode.UNAVAILABLE,
-                            f"{failure}; the request could not be resumed (the new prefill parked no KV) "
-                            f"after {text.num_tokens} tokens were delivered",
-                        ) from None
-                    parked = _park(prefill, again.kv_handle)
         finally:
             if sent is not None:  # the client went away before decode was read
                 _end(*sent)
-            if parked is not None and not parked.pulled:
-                self._release_later(parked)
-            elif parked is not None:
-                parked.prefill.holds -= 1
+            if parked is not None:
+                self._let_go(parked)
+
+    def _let_go(self, parked: _Parked) -> None:
+        """The request is done with ``parked``: released on its prefill unless a decode pulled it."""
+        if parked.pulled:
+            parked.prefill.holds -= 1
+        else:
+            self._release_later(parked)
 
     async def _pick(self, pool: BackendPool[T], avoid: Collection[Backend[T]], delivered: int) -> Backend[T]:
         try:
@@ -287,52 +342,49 @@ class RequestFlow:
     def _start(
         self,
         decode: DecodeBackend,
-        request_id: str,
+        run: _Progress,
         parked: _Parked,
-        first: prefill_pb2.PrefillResponse,
-        sampling: Any,
+        token_id: int,
+        step: int,
         deadline: Deadline,
     ) -> MuxedRequest:
-        """Sends one decode attempt to ``decode``; ``_decode`` reads it, ``_end`` ends it."""
-        timeout_s = deadline.remaining(delivered=1) or 0.0
+        """Sends one decode attempt to ``decode``, going on after ``token_id``, the token ``parked``'s
+        prefill sampled at ``step``; ``_decode`` reads it, ``_end`` ends it."""
+        timeout_s = deadline.remaining(delivered=step + 1) or 0.0
         decode.outstanding += 1
         self._metrics.decode_calls.inc()
         return self._mux(decode).start(
             decode_pb2.DecodeRequest(
-                request_id=request_id,
+                request_id=run.request_id,
                 kv_handle=parked.handle,
-                first_token_id=first.first_token_id,
-                sampling=sampling,
+                first_token_id=token_id,
+                sampling=run.sampling,
                 timeout_s=timeout_s,
+                num_generated=step,
             )
         )
 
     async def _decode(
-        self, decode: DecodeBackend, muxed: MuxedRequest, parked: _Parked, text: TextStream
+        self, decode: DecodeBackend, muxed: MuxedRequest, parked: _Parked, run: _Progress
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """One decode attempt's responses; raises _AttemptFailed."""
         where = f"decode {decode.address}"
-        streamed = 0
         try:
             while True:
                 try:
                     update = await muxed.next()
                 except DecodeFailure as exc:
-                    if not exc.backend_down and exc.code != grpc.StatusCode.ABORTED:
+                    if not exc.backend_down and not exc.local and exc.code != grpc.StatusCode.ABORTED:
                         decode.health.call_failed(exc.code, exc.details)
-                    raise _AttemptFailed(exc.code, where, exc.details, streamed) from None
+                    raise _AttemptFailed(exc.code, where, exc.details, by_backend=not exc.local) from None
                 if update.error_code:
                     code = status_code(update.error_code)
                     if code != grpc.StatusCode.ABORTED:
                         decode.health.call_failed(code, update.error_message)
-                    raise _AttemptFailed(code, where, update.error_message, streamed)
+                    raise _AttemptFailed(code, where, update.error_message)
                 parked.pulled = True  # decode answers only after its pull
-                chunk = text.add(list(update.token_ids))
-                reason = STOP if chunk.stopped else (update.finish_reason or None)
-                if reason is not None and not chunk.stopped:
-                    chunk = _join(chunk, text.finish())
-                streamed += len(chunk.token_ids)
-                yield _response(chunk, reason)
+                response, reason = run.relay(list(update.token_ids), update.finish_reason or None)
+                yield response
                 if reason is not None:
                     self._metrics.finished.labels(reason).inc()
                     return

@@ -5,7 +5,9 @@ Lifecycle of a request here:
 2. the engine thread takes every waiting request that fits the token budget (batch size times
    the longest prompt, left-padded) and runs them in one forward with a fresh cache and
    ``logits_to_keep=1``: every row's last position is its prompt's last token;
-3. each row's first token is sampled from that forward's logits at step 0;
+3. each row's first token is sampled from that forward's logits at step 0, or, for a resumed
+   request (its prompt ends with the ``num_generated`` tokens it had generated before its decode
+   was lost), at step ``num_generated``, the finish rules counting those tokens;
 4. a request complete at that token (max_tokens=1, EOS, a stop token or stop string) keeps
    nothing; otherwise its prompt's KV is packed into one buffer of the prefill's KV space (its
    shared-memory arena, or private memory), ready to be parked under a handle;
@@ -74,6 +76,7 @@ class PrefillResult:
 class _Pending:
     prompt_token_ids: list[int]
     params: SamplingParams
+    num_generated: int
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[PrefillResult]
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
@@ -99,14 +102,22 @@ class PrefillEngine:
         self._thread.start()
 
     async def run(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, deadline: float | None = None
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        num_generated: int = 0,
+        deadline: float | None = None,
     ) -> PrefillResult:
-        """``deadline`` (``time.monotonic()``): raises DeadlineExpired when it passes before the forward."""
+        """``num_generated``: the last tokens of the prompt that the request generated before (a
+        resumed request); its token is sampled at that step. ``deadline`` (``time.monotonic()``):
+        raises DeadlineExpired when it passes before the forward."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[PrefillResult] = loop.create_future()
         with self._count_lock:
             self._num_waiting += 1
-        self._queue.put(_Pending(list(prompt_token_ids), params, loop, future, deadline=deadline))
+        self._queue.put(
+            _Pending(list(prompt_token_ids), params, num_generated, loop, future, deadline=deadline)
+        )
         return await future
 
     @property
@@ -155,7 +166,11 @@ class PrefillEngine:
             started = time.perf_counter()
             self._num_running = len(batch)
             try:
-                results = self._prefill([p.prompt_token_ids for p in batch], [p.params for p in batch])
+                results = self._prefill(
+                    [p.prompt_token_ids for p in batch],
+                    [p.params for p in batch],
+                    [p.num_generated for p in batch],
+                )
             except Exception as exc:
                 logger.exception("prefill forward of %d requests failed", len(batch))
                 for p in batch:
@@ -197,10 +212,13 @@ class PrefillEngine:
         params = SamplingParams(max_tokens=1, temperature=0.0)  # complete at the first token: no KV packed
         for lengths in WARM_UP_BATCHES:
             prompts = [[(row + i) % vocab_size for i in range(n)] for row, n in enumerate(lengths)]
-            self._prefill(prompts, [params] * len(prompts))
+            self._prefill(prompts, [params] * len(prompts), [0] * len(prompts))
 
     def _prefill(
-        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        num_generated: Sequence[int],
     ) -> list[PrefillResult]:
         m = self._m
         start = time.perf_counter()
@@ -224,9 +242,9 @@ class PrefillEngine:
         logits = out.logits[:, -1]
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         results = []
-        for row, row_params in enumerate(params):
-            token = sample(logits[row], row_params, step=0)
-            reason = first_token_reason(token, row_params, m.limits.eos_token_ids, self._token_text)
+        for row, (row_params, step) in enumerate(zip(params, num_generated, strict=True)):
+            token = sample(logits[row], row_params, step=step)
+            reason = first_token_reason(token, row_params, m.limits.eos_token_ids, self._token_text, step)
             buffer = None
             if reason is None:
                 buffer = self._space.allocate(m.kv_layout.num_bytes(lengths[row]))

@@ -236,7 +236,7 @@ class PrefillServicer(KvHandoffServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
         try:
             params = sampling_from_proto(request.sampling)
-            self._m.limits.check_request(request.prompt_token_ids, params)
+            self._m.limits.check_request(request.prompt_token_ids, params, request.num_generated)
             if not params.is_greedy and params.seed is None:
                 raise ValueError("sampling.seed must be set on prefill requests that sample")
         except ValueError as exc:
@@ -253,7 +253,7 @@ class PrefillServicer(KvHandoffServicer):
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            result = await self._engine.run(request.prompt_token_ids, params, deadline)
+            result = await self._engine.run(request.prompt_token_ids, params, request.num_generated, deadline)
         except ForwardUnavailable as exc:
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"prefill could not run: {exc}")
         except DeadlineExpired:

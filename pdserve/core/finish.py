@@ -10,6 +10,8 @@
 3. The first token also ends the request when its own text contains a stop string
    (``first_token_reason``): the gateway would stop there anyway, so the prefill parks no KV and
    the request never reaches decode.
+A resumed request (prefilled again with the tokens it had generated, when its decode was lost)
+counts those tokens in every rule: its prefill's token is not its first one.
 """
 
 from __future__ import annotations
@@ -44,10 +46,14 @@ def first_token_reason(
     params: SamplingParams,
     eos_token_ids: Collection[int],
     token_text: Callable[[int], str],
+    num_before: int = 0,
 ) -> str | None:
-    """The reason a request ends at its first token (token rules, then stop strings in that token's
-    own text, decoded by ``token_text``), or None when it goes on to decode."""
-    reason = finish_reason(token_id, 1, params, eos_token_ids)
+    """The reason a request ends at the token its prefill sampled (token rules, then stop strings
+    in that token's own text, decoded by ``token_text``), or None when it goes on to decode.
+
+    ``num_before``: tokens the request generated before this one (a resumed request), counted by
+    ``max_tokens``."""
+    reason = finish_reason(token_id, num_before + 1, params, eos_token_ids)
     if reason is None and params.stop and any(s in token_text(token_id) for s in params.stop):
         return STOP
     return reason

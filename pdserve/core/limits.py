@@ -25,10 +25,25 @@ class ModelLimits:
             raise ValueError("the model config has no max_position_embeddings; set max_model_len")
         return cls(int(text_config.vocab_size), model_len, eos_token_ids)
 
-    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raises ValueError naming the field when the request does not fit this model."""
+    def check_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, num_generated: int = 0
+    ) -> None:
+        """Raises ValueError naming the field when the request does not fit this model.
+
+        ``num_generated``: the last tokens of ``prompt_token_ids`` that the request already
+        generated (a resumed request); ``max_tokens`` counts them."""
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
+        if not 0 <= num_generated < len(prompt_token_ids):
+            raise ValueError(
+                f"num_generated = {num_generated} must be below the number of prompt_token_ids "
+                f"({len(prompt_token_ids)}): at least one token is the prompt"
+            )
+        if num_generated >= params.max_tokens:
+            raise ValueError(
+                f"num_generated = {num_generated} must be below sampling.max_tokens = {params.max_tokens} "
+                "(a request with max_tokens tokens is complete)"
+            )
         for i, token in enumerate(prompt_token_ids):
             if not 0 <= token < self.vocab_size:
                 raise ValueError(
@@ -39,7 +54,7 @@ class ModelLimits:
                 raise ValueError(
                     f"sampling.stop_token_ids has {token}, outside the vocabulary [0, {self.vocab_size})"
                 )
-        num_prompt = len(prompt_token_ids)
+        num_prompt = len(prompt_token_ids) - num_generated
         if num_prompt >= self.max_model_len:
             raise ValueError(
                 f"prompt has {num_prompt} tokens; the model's context is {self.max_model_len} "
