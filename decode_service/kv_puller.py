@@ -39,6 +39,7 @@ from pdserve.kv.handle import HandleCheck, prefill_place
 from pdserve.kv.layout import KvLayout, unpack
 from pdserve.kv.shared_memory import InstanceLock, is_instance_id
 from pdserve.kv.transports import NETWORK, Place
+from pdserve.rpc.channel_security import PLAIN, ChannelSecurity
 from pdserve.rpc.errors import RpcError
 from pdserve.v1 import kv_pb2, prefill_pb2_grpc
 
@@ -84,10 +85,13 @@ class KvPuller:
         metrics: DecodeMetrics,
         place: Place | None = None,
         shm_dir: str = "",
+        security: ChannelSecurity = PLAIN,
     ) -> None:
         """``kv_backend`` narrows the transports this decode takes (``auto``: any); ``place`` is where
-        this decode keeps KV (its shared-memory domain makes same-host transports possible)."""
+        this decode keeps KV (its shared-memory domain makes same-host transports possible);
+        ``security``: how it calls the prefills (the internal token, mutual TLS)."""
         self._instance_id = instance_id
+        self._security = security
         self._layout = layout
         self._device = device
         self._local_host = local_host
@@ -271,7 +275,7 @@ class KvPuller:
 
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         if address not in self._grpc:
-            channel = grpc.aio.insecure_channel(address)
+            channel = self._security.aio_channel(address)
             self._grpc[address] = (channel, prefill_pb2_grpc.PrefillStub(channel))
         return self._grpc[address][1]
 

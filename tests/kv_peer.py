@@ -41,6 +41,7 @@ from pdserve.kv.rendezvous import connect_store, host_store, pair_prefix
 from pdserve.kv.shared_memory import DEFAULT_DIR as SHM_DIR
 from pdserve.kv.shared_memory import ArenaReader, InstanceLock
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
+from tests.stack import internal_channel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = timedelta(seconds=30)
@@ -56,7 +57,7 @@ def _say(**message: Any) -> None:
 def _borrow(instance: str, handle: kv_pb2.KvHandle, path: str, locks: dict[str, InstanceLock]) -> None:
     if instance not in locks:
         locks[instance] = InstanceLock(SHM_DIR, instance)
-    with grpc.insecure_channel(handle.prefill_address) as grpc_channel:
+    with internal_channel(handle.prefill_address) as grpc_channel:
         response = prefill_pb2_grpc.PrefillStub(grpc_channel).PullKvMany(
             prefill_pb2.PullKvManyRequest(
                 handle_ids=[handle.id], decode_instance_id=instance, transport="shm"
@@ -93,7 +94,7 @@ def run_decode() -> None:
             channels[key] = PairChannel(store, prefix, DECODE_RANK, "gloo", CPU, HOST, TIMEOUT)
         channel = channels[key]
         if command == "pull":
-            with grpc.insecure_channel(handle.prefill_address) as grpc_channel:
+            with internal_channel(handle.prefill_address) as grpc_channel:
                 request = prefill_pb2.PullKvRequest(
                     handle_id=handle.id, decode_instance_id=instance, pair_generation=generation
                 )

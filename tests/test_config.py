@@ -367,6 +367,13 @@ ENGINE_ENV = [
     "PDSERVE_EP_PORT_BASE",
 ]
 TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S", "PDSERVE_KV_SHM_DIR"]
+INTERNAL_ENV = [
+    "PDSERVE_INTERNAL_TOKEN",
+    "PDSERVE_INTERNAL_TOKEN_FILE",
+    "PDSERVE_INTERNAL_TLS_CERT",
+    "PDSERVE_INTERNAL_TLS_KEY",
+    "PDSERVE_INTERNAL_TLS_CA",
+]
 
 
 @pytest.mark.parametrize(
@@ -381,6 +388,7 @@ TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S", "PDSERVE_KV_
                 *SERVER_ENV,
                 *ENGINE_ENV,
                 *TRANSFER_ENV,
+                *INTERNAL_ENV,
                 "PDSERVE_KV_PORT",
                 "PDSERVE_LEASE_S",
                 "PDSERVE_MAX_BATCH_TOKENS",
@@ -393,6 +401,7 @@ TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S", "PDSERVE_KV_
                 *SERVER_ENV,
                 *ENGINE_ENV,
                 *TRANSFER_ENV,
+                *INTERNAL_ENV,
                 "PDSERVE_MAX_RUNNING",
                 "PDSERVE_MAX_KV_TOKENS",
                 "PDSERVE_KV_BLOCK_SIZE",
@@ -411,6 +420,10 @@ TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S", "PDSERVE_KV_
                 "PDSERVE_HTTP_PORT",
                 "PDSERVE_SERVED_MODEL_NAME",
                 "PDSERVE_API_KEY",
+                "PDSERVE_TLS_CERT",
+                "PDSERVE_TLS_KEY",
+                "PDSERVE_REFLECTION",
+                *INTERNAL_ENV,
             ],
         ),
     ],

@@ -1,6 +1,7 @@
 """Configuration: the services' frozen config dataclasses, their checks, and the flags and
 environment variables derived from them."""
 
+from pdserve.config.security import InternalSecurity, PublicSecurity
 from pdserve.config.services import (
     BACKENDS,
     CPU_BATCH_TOKENS,
@@ -30,7 +31,9 @@ __all__ = [
     "DecodeConfig",
     "EngineConfig",
     "GatewayConfig",
+    "InternalSecurity",
     "PrefillConfig",
+    "PublicSecurity",
     "ServerConfig",
     "TransferConfig",
 ]

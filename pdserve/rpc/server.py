@@ -1,6 +1,8 @@
 """Building, announcing and draining the gRPC server of a service.
 
-Every service gets standard health checking (``grpc.health.v1``) and reflection. On SIGTERM or
+Every service gets standard health checking (``grpc.health.v1``) and, unless its ``ServerSecurity``
+turns it off, reflection; that security's gate (the internal token, the API key) sees every call
+first, and its credentials serve the port over TLS. On SIGTERM or
 SIGINT the service drains:
 1. health reports NOT_SERVING at once (health and reflection keep answering while it drains);
 2. new calls of its work methods (Generate, Prefill, Decode) are refused with UNAVAILABLE, while
@@ -29,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.core.logs import configure_logging
 from pdserve.core.nccl import configure_error_handling
+from pdserve.rpc.service_security import OPEN, ServerSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +133,8 @@ class ServiceServer:
     """A grpc.aio server with health and reflection, bound to host:port (0 picks a free port).
 
     ``work_methods`` are the full names (``/package.Service/Method``) of the calls that drain
-    refuses once it starts and waits for; ``advertise_host`` is the host in ``address`` ('' = host).
+    refuses once it starts and waits for; ``advertise_host`` is the host in ``address`` ('' = host);
+    ``security``: who may call it and over what (default: anyone, plaintext, with reflection).
     """
 
     def __init__(
@@ -140,18 +144,24 @@ class ServiceServer:
         service_names: Sequence[str],
         work_methods: Collection[str] = (),
         advertise_host: str = "",
+        security: ServerSecurity = OPEN,
     ) -> None:
         options = [*MESSAGE_SIZE_OPTIONS, ("grpc.so_reuseport", 0)]
         self._gate = DrainGate(work_methods)
-        self.server = grpc.aio.server(options=options, interceptors=[self._gate])
+        interceptors: list[grpc.aio.ServerInterceptor] = [security.gate] if security.gate else []
+        self.server = grpc.aio.server(options=options, interceptors=[*interceptors, self._gate])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = list(service_names)
-        reflection.enable_server_reflection(
-            [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
-        )
+        if security.reflection:
+            reflection.enable_server_reflection(
+                [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+            )
         self.host = advertise_host or host
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if security.credentials is None:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        else:
+            self.port = self.server.add_secure_port(f"{host}:{port}", security.credentials)
         if self.port == 0:
             raise OSError(f"could not bind gRPC on {host}:{port}")
 
