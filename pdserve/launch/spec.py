@@ -286,9 +286,9 @@ def pdserve_executable() -> str:
     return relative if not relative.startswith("..") else str(candidate)
 
 
-def curl_example(http_address: str, model: str, with_api_key: bool = False) -> str:
+def curl_example(http_address: str, model: str, with_api_key: bool = False, tls_ca: str = "") -> str:
     """The ``curl`` line of the hint ``pdserve up`` prints: one chat request over the HTTP API
-    (``with_api_key``: sending the key of ``$PDSERVE_API_KEY``)."""
+    (``with_api_key``: sending the key of ``$PDSERVE_API_KEY``; ``tls_ca``: over HTTPS, trusting it)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "What is the capital of France?"}],
@@ -296,7 +296,12 @@ def curl_example(http_address: str, model: str, with_api_key: bool = False) -> s
     }
     return (
         "or over the OpenAI-compatible HTTP API:\n"
-        f"  curl http://{http_address}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        + (
+            f"  curl --cacert {shlex.quote(tls_ca)} https://{http_address}/v1/chat/completions"
+            if tls_ca
+            else f"  curl http://{http_address}/v1/chat/completions"
+        )
+        + " -H 'Content-Type: application/json' \\\n"
         + ('    -H "Authorization: Bearer $PDSERVE_API_KEY" \\\n' if with_api_key else "")
         + f"    -d {shlex.quote(json.dumps(body))}\n"
     )

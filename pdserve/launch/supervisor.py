@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import queue
+import shlex
 import signal
 import subprocess
 import sys
@@ -348,11 +349,18 @@ class Supervisor:
         gateway = self._children[-1]
         address = self._address(gateway)
         http = gateway.info.get("http") if gateway.info is not None else None
+        trusted = (self.config.tls_ca or self.config.public.tls_cert) if self.config.public.tls_cert else ""
+        tls_flag = f" --tls-ca {shlex.quote(trusted)}" if trusted else ""
         self._write_stderr(
             f"pdserve is up: gateway on {address} with {self.config.prefill_replicas} prefill and "
             f"{self.config.decode_replicas} decode replica(s). Send a request with:\n"
-            f'  {pdserve_executable()} generate --address {address} "The capital of France is"\n'
-            + (curl_example(str(http), self.config.model, bool(self.config.public.api_key)) if http else "")
+            f"  {pdserve_executable()} generate --address {address}{tls_flag} "
+            '"The capital of France is"\n'
+            + (
+                curl_example(str(http), self.config.model, bool(self.config.public.api_key), trusted)
+                if http
+                else ""
+            )
             + "Stop with Ctrl-C.\n"
         )
         self.ready.set()
