@@ -7,7 +7,6 @@ TLS: keep the services on a private network.
 
 from __future__ import annotations
 
-import os
 import secrets
 from dataclasses import dataclass, field
 
@@ -108,14 +107,6 @@ class InternalSecurity:
                 f"set {TOKEN_ENV} or --internal-token-file (the same on every prefill, decode and "
                 f'gateway; e.g. `export {TOKEN_ENV}="$(openssl rand -hex 32)"`)'
             )
-
-
-def token_from_environment(env: dict[str, str] | os._Environ[str]) -> str:
-    """The token ``pdserve up`` hands its children: the one set (variable or file), else a new one."""
-    security = InternalSecurity(
-        internal_token=env.get(TOKEN_ENV, ""), internal_token_file=env.get(TOKEN_FILE_ENV, "")
-    )
-    return security.token or new_token()
 
 
 @dataclass(frozen=True)
