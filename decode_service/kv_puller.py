@@ -48,6 +48,7 @@ from pdserve.kv.handle import HandleCheck, malformed, prefill_place
 from pdserve.kv.layout import KvLayout, unpack
 from pdserve.kv.shared_memory import InstanceLock, is_instance_id
 from pdserve.kv.transports import NETWORK, Place
+from pdserve.rpc.channel_security import PLAIN, ChannelSecurity
 from pdserve.rpc.errors import RpcError
 from pdserve.v1 import kv_pb2, prefill_pb2_grpc
 
@@ -98,16 +99,19 @@ class KvPuller:
         allocator: Allocator = allocate,
         max_links: int = MAX_LINKS,
         known_prefills: KnownPrefills | None = None,
+        security: ChannelSecurity = PLAIN,
     ) -> None:
         """``kv_backend`` narrows the transports this decode takes (``auto``: any); ``place`` is where
         this decode keeps KV (its shared-memory domain makes same-host transports possible);
         ``allocator`` makes the receive buffers of network pulls; at most ``max_links`` links to
         prefills are kept (the least recently used idle one is closed to make room); a handle is
-        pulled only from ``known_prefills`` (by default: prefills of this host)."""
+        pulled only from ``known_prefills`` (by default: prefills of this host); ``security``: how it
+        calls the prefills (the internal token, mutual TLS)."""
         self._known = known_prefills if known_prefills is not None else KnownPrefills(())
         self._instance_id = instance_id
         self._allocator = allocator
         self._max_links = max_links
+        self._security = security
         self._layout = layout
         self._device = device
         self._local_host = local_host
@@ -327,14 +331,14 @@ class KvPuller:
 
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         if address not in self._grpc:
-            channel = grpc.aio.insecure_channel(address)
+            channel = self._security.aio_channel(address)
             self._grpc[address] = (channel, prefill_pb2_grpc.PrefillStub(channel))
         return self._grpc[address][1]
 
     def _blocking_stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
         """A blocking stub (pair-store calls run on a pair's transfer thread)."""
         if address not in self._blocking:
-            channel = grpc.insecure_channel(address)
+            channel = self._security.channel(address)
             self._blocking[address] = (channel, prefill_pb2_grpc.PrefillStub(channel))
         return self._blocking[address][1]
 

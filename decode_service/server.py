@@ -29,6 +29,7 @@ from pdserve.hosting.service_main import serve_service
 from pdserve.kv import cuda_ipc, shared_memory
 from pdserve.model.engine_model import EngineModel
 from pdserve.rpc.server import ServiceServer
+from pdserve.rpc.service_security import internal_client
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ def build_decode(
             place=cuda_ipc.place_of(engine_model.device, host_id),
             shm_dir=shm_dir,
             known_prefills=known,
+            security=internal_client(config.security),
         )
     else:
         source = kv_source(metrics)

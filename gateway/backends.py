@@ -27,6 +27,7 @@ from typing import Generic, TypeVar
 import grpc
 
 from gateway.backend_health import BackendHealth, probe_forever
+from pdserve.rpc.channel_security import PLAIN, ChannelSecurity
 from pdserve.rpc.errors import RpcError
 from pdserve.rpc.server import MESSAGE_SIZE_OPTIONS
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
@@ -207,28 +208,34 @@ class BackendPool(Generic[StubT]):
             await asyncio.gather(*self._closing, return_exceptions=True)
 
 
-def _connector(stub_type: type[StubT]) -> Connect[StubT]:
+def _connector(stub_type: type[StubT], security: ChannelSecurity) -> Connect[StubT]:
     def connect(address: str) -> Backend[StubT]:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = security.aio_channel(address, options=CHANNEL_OPTIONS)
         return Backend(address, channel, stub_type(channel), BackendHealth(address))  # type: ignore[call-arg]
 
     return connect
 
 
 def _pool(
-    role: str, addresses: Sequence[str], stub_type: type[StubT], pick_wait_s: float
+    role: str,
+    addresses: Sequence[str],
+    stub_type: type[StubT],
+    pick_wait_s: float,
+    security: ChannelSecurity,
 ) -> BackendPool[StubT]:
-    connect = _connector(stub_type)
+    connect = _connector(stub_type, security)
     return BackendPool(role, [connect(a) for a in addresses], pick_wait_s, connect)
 
 
 def prefill_pool(
-    addresses: Sequence[str], pick_wait_s: float = PICK_WAIT_S
+    addresses: Sequence[str], pick_wait_s: float = PICK_WAIT_S, security: ChannelSecurity = PLAIN
 ) -> BackendPool[prefill_pb2_grpc.PrefillStub]:
-    return _pool("prefill", addresses, prefill_pb2_grpc.PrefillStub, pick_wait_s)
+    """The prefills; ``security``: how the gateway calls them (the internal token, mutual TLS)."""
+    return _pool("prefill", addresses, prefill_pb2_grpc.PrefillStub, pick_wait_s, security)
 
 
 def decode_pool(
-    addresses: Sequence[str], pick_wait_s: float = PICK_WAIT_S
+    addresses: Sequence[str], pick_wait_s: float = PICK_WAIT_S, security: ChannelSecurity = PLAIN
 ) -> BackendPool[decode_pb2_grpc.DecodeStub]:
-    return _pool("decode", addresses, decode_pb2_grpc.DecodeStub, pick_wait_s)
+    """The decodes; ``security`` as in ``prefill_pool``."""
+    return _pool("decode", addresses, decode_pb2_grpc.DecodeStub, pick_wait_s, security)

@@ -26,9 +26,12 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    """Binds ``host:port`` at construction (0 picks a free port; OSError when it cannot)."""
+    """Binds ``host:port`` at construction (0 picks a free port; OSError when it cannot); ``tls``:
+    (certificate file, key file) to serve HTTPS."""
 
-    def __init__(self, app: Any, host: str, port: int, grace_s: float) -> None:
+    def __init__(
+        self, app: Any, host: str, port: int, grace_s: float, tls: tuple[str, str] | None = None
+    ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.create_server((host, port), family=family)
         self.host = host
@@ -39,6 +42,8 @@ class HttpServer:
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=math.ceil(grace_s),
+            ssl_certfile=tls[0] if tls else None,
+            ssl_keyfile=tls[1] if tls else None,
         )
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task[None] | None = None

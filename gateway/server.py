@@ -1,5 +1,6 @@
 """Starts the gateway: tokenizer and limits of the model, backend pools (and the discovery of their
-``dns:///`` names), gRPC, HTTP and metrics servers.
+``dns:///`` names, called with the internal credential), gRPC and HTTP servers (the API key and
+TLS of ``--api-key``/``--tls-cert``), and the metrics server.
 
 A port it cannot bind ends it at start with one error line (exit 1), nothing else started."""
 
@@ -28,6 +29,7 @@ from pdserve.hosting.metrics_server import MetricsServer
 from pdserve.model.engine_model import eos_token_ids
 from pdserve.model.source import resolve_model_dir
 from pdserve.rpc.server import ServiceServer, announce_ready, wait_for_stop_signal
+from pdserve.rpc.service_security import internal_client, public_server_security
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -43,8 +45,9 @@ async def serve(config: GatewayConfig, resolver: Resolver = resolve_dns) -> None
     limits = ModelLimits.from_config(hf_config, config.max_model_len, eos_token_ids(model_dir, hf_config))
 
     metrics = GatewayMetrics(CollectorRegistry(), config.model_id, limits.max_model_len)
-    prefills = prefill_pool(fixed_addresses(config.prefill))
-    decodes = decode_pool(fixed_addresses(config.decode))
+    internal = internal_client(config.internal)
+    prefills = prefill_pool(fixed_addresses(config.prefill), security=internal)
+    decodes = decode_pool(fixed_addresses(config.decode), security=internal)
     discoveries = [
         Discovery(pool, targets, resolver, config.resolve_interval_s)
         for pool, targets in ((prefills, config.prefill), (decodes, config.decode))
@@ -54,7 +57,7 @@ async def serve(config: GatewayConfig, resolver: Resolver = resolve_dns) -> None
     flow = RequestFlow(prompts, tokenizer, prefills, decodes, metrics)
     inputs = InputLimits(config.limits)
     admission = Admission(config.limits.max_in_flight, config.limits.retry_after_s, metrics)
-    api = OpenAIApi(flow, metrics, prompts, limits, config.model_id, inputs, admission, config.api_key)
+    api = OpenAIApi(flow, metrics, prompts, limits, config.model_id, inputs, admission, config.public.api_key)
     try:
         server = ServiceServer(
             config.server.host,
@@ -63,10 +66,17 @@ async def serve(config: GatewayConfig, resolver: Resolver = resolve_dns) -> None
             work_methods=[f"/{SERVICE_NAME}/Generate"],
             advertise_host=config.server.public_host,
             max_receive_bytes=config.limits.max_body_bytes,
+            security=public_server_security(config.public),
         )
         http = None
         if config.http_port >= 0:
-            http = HttpServer(api.app(), config.server.host, config.http_port, config.server.grace_s)
+            http = HttpServer(
+                api.app(),
+                config.server.host,
+                config.http_port,
+                config.server.grace_s,
+                tls=(config.public.tls_cert, config.public.tls_key) if config.public.tls_cert else None,
+            )
         metrics_server = MetricsServer(config.server.host, config.server.metrics_port, metrics.registry)
     except OSError as error:
         logger.error(

@@ -83,6 +83,13 @@ def _service_runner(name: str, cls: type) -> Callable[[argparse.Namespace], int]
         config: Any = flags.build_or_report(cls, args, f"pdserve {name}")
         if config is None:
             return 2
+        # Secure by default: no service calls or serves the internal API without the token.
+        security = config.internal if name == "gateway" else config.security
+        try:
+            security.require_token(f"pdserve {name}")
+        except ValueError as error:
+            print(f"pdserve {name}: error: {error}", file=sys.stderr)
+            return 2
         _serve(name, config)
         return 0
 

@@ -17,9 +17,12 @@ from typing import TextIO
 
 import grpc
 
+from pdserve.rpc.channel_security import PLAIN, ChannelSecurity
+from pdserve.rpc.client_flags import add_tls_client_arguments, tls_from_args
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc, sampling_pb2
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+API_KEY_ENV = "PDSERVE_API_KEY"
 MAX_UINT32 = 2**32 - 1
 MAX_UINT64 = 2**64 - 1
 MAX_INT32 = 2**31 - 1
@@ -142,6 +145,12 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout-s", type=float, default=0.0, help="deadline of the whole call in seconds (0: none)"
     )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV, ""),
+        help=f"the gateway's API key, sent as `authorization: Bearer KEY` (env {API_KEY_ENV})",
+    )
+    add_tls_client_arguments(parser)
 
 
 def request_from_args(args: argparse.Namespace) -> gateway_pb2.GenerateRequest:
@@ -185,13 +194,14 @@ async def stream_generate(
     *,
     json_mode: bool = False,
     timeout_s: float | None = None,
+    security: ChannelSecurity = PLAIN,
 ) -> None:
     """Streams one request to ``out``: text as it arrives then a newline, or one JSON line per chunk.
 
-    A failed call raises ``grpc.aio.AioRpcError``; in text mode what arrived before is already
-    written, followed by a newline.
+    ``security``: the API key and TLS of the call. A failed call raises ``grpc.aio.AioRpcError``;
+    in text mode what arrived before is already written, followed by a newline.
     """
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with security.aio_channel(address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         call = stub.Generate(request, timeout=timeout_s)
         wrote_text = False
@@ -225,9 +235,19 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"error: --timeout-s must be >= 0, got {timeout_s}", file=sys.stderr)
         return 2
     try:
+        security = tls_from_args(args, ChannelSecurity.public(args.api_key).metadata)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
         asyncio.run(
             stream_generate(
-                args.address, request, sys.stdout, json_mode=args.json, timeout_s=timeout_s or None
+                args.address,
+                request,
+                sys.stdout,
+                json_mode=args.json,
+                timeout_s=timeout_s or None,
+                security=security,
             )
         )
     except grpc.aio.AioRpcError as error:

@@ -44,6 +44,7 @@ from pdserve.kv.rendezvous import pair_prefix
 from pdserve.kv.shared_memory import DEFAULT_DIR as SHM_DIR
 from pdserve.kv.shared_memory import ArenaReader, InstanceLock
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
+from tests.stack import internal_channel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = timedelta(seconds=30)
@@ -61,7 +62,7 @@ def _borrow(
 ) -> None:
     if instance not in locks:
         locks[instance] = InstanceLock(SHM_DIR, instance)
-    with grpc.insecure_channel(handle.prefill_address) as grpc_channel:
+    with internal_channel(handle.prefill_address) as grpc_channel:
         response = prefill_pb2_grpc.PrefillStub(grpc_channel).PullKvMany(
             prefill_pb2.PullKvManyRequest(
                 handle_ids=[handle.id], decode_instance_id=instance, transport="shm", pair_secret=secret
@@ -98,7 +99,7 @@ def run_decode() -> None:
         handle = kv_pb2.KvHandle.FromString(bytes.fromhex(handle_hex))
         if handle.prefill_address not in stubs:
             stubs[handle.prefill_address] = prefill_pb2_grpc.PrefillStub(
-                grpc.insecure_channel(handle.prefill_address)
+                internal_channel(handle.prefill_address)
             )
         stub = stubs[handle.prefill_address]
         key = (instance, generation)

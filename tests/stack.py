@@ -16,10 +16,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.rpc.channel_security import INTERNAL_TOKEN_KEY, ChannelSecurity
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 180.0
+# Every service the tests start shares this internal token; the tests' own calls carry it.
+TEST_TOKEN = "pdserve-test-internal-token"
+INTERNAL = ChannelSecurity(((INTERNAL_TOKEN_KEY, TEST_TOKEN),))
+
+
+def internal_aio_channel(address: str) -> grpc.aio.Channel:
+    """A grpc.aio channel whose calls carry the tests' internal token (any pdserve service)."""
+    return INTERNAL.aio_channel(address)
+
+
+def internal_channel(address: str) -> grpc.Channel:
+    """A blocking channel whose calls carry the tests' internal token."""
+    return INTERNAL.channel(address)
 
 
 @dataclass
@@ -118,6 +134,7 @@ def service_env(cache_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     env.update(
         PDSERVE_CACHE_DIR=str(cache_dir),
+        PDSERVE_INTERNAL_TOKEN=TEST_TOKEN,
         OMP_NUM_THREADS="1",
         HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",

@@ -367,6 +367,13 @@ ENGINE_ENV = [
     "PDSERVE_EP_PORT_BASE",
 ]
 TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S", "PDSERVE_KV_SHM_DIR"]
+INTERNAL_ENV = [
+    "PDSERVE_INTERNAL_TOKEN",
+    "PDSERVE_INTERNAL_TOKEN_FILE",
+    "PDSERVE_INTERNAL_TLS_CERT",
+    "PDSERVE_INTERNAL_TLS_KEY",
+    "PDSERVE_INTERNAL_TLS_CA",
+]
 
 
 @pytest.mark.parametrize(
@@ -381,6 +388,7 @@ TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S", "PDSERVE_KV_
                 *SERVER_ENV,
                 *ENGINE_ENV,
                 *TRANSFER_ENV,
+                *INTERNAL_ENV,
                 "PDSERVE_KV_PORT",
                 "PDSERVE_LEASE_S",
                 "PDSERVE_MAX_BATCH_TOKENS",
@@ -394,6 +402,7 @@ TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S", "PDSERVE_KV_
                 *SERVER_ENV,
                 *ENGINE_ENV,
                 *TRANSFER_ENV,
+                *INTERNAL_ENV,
                 "PDSERVE_MAX_RUNNING",
                 "PDSERVE_MAX_KV_TOKENS",
                 "PDSERVE_KV_BLOCK_SIZE",
@@ -417,7 +426,6 @@ TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S", "PDSERVE_KV_
                 "PDSERVE_RESOLVE_INTERVAL_S",
                 "PDSERVE_HTTP_PORT",
                 "PDSERVE_SERVED_MODEL_NAME",
-                "PDSERVE_API_KEY",
                 "PDSERVE_MAX_STOP_STRINGS",
                 "PDSERVE_MAX_STOP_BYTES",
                 "PDSERVE_MAX_STOP_TOKEN_IDS",
@@ -428,6 +436,11 @@ TRANSFER_ENV = ["PDSERVE_KV_BACKEND", "PDSERVE_TRANSFER_TIMEOUT_S", "PDSERVE_KV_
                 "PDSERVE_MAX_IN_FLIGHT",
                 "PDSERVE_RETRY_AFTER_S",
                 "PDSERVE_TOKENIZER_THREADS",
+                "PDSERVE_API_KEY",
+                "PDSERVE_TLS_CERT",
+                "PDSERVE_TLS_KEY",
+                "PDSERVE_REFLECTION",
+                *INTERNAL_ENV,
             ],
         ),
     ],

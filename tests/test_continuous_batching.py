@@ -16,7 +16,7 @@ import torch
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from tests.conftest import PRESETS, StackPool, assert_no_leaks
 from tests.grpc_client import generate, make_request
-from tests.stack import Stack, scrape, wait_for
+from tests.stack import Stack, internal_aio_channel, scrape, wait_for
 from tests.test_equivalence import divergence_report, reference_tokens
 
 
@@ -98,12 +98,12 @@ def test_request_larger_than_the_pool_is_refused(small_pool_stack: Stack) -> Non
     greedy = sampling_pb2.SamplingParams(max_tokens=300, temperature=0.0)
 
     async def scenario() -> grpc.StatusCode:
-        async with grpc.aio.insecure_channel(stack.prefills[0].grpc) as channel:
+        async with internal_aio_channel(stack.prefills[0].grpc) as channel:
             first = await prefill_pb2_grpc.PrefillStub(channel).Prefill(
                 prefill_pb2.PrefillRequest(prompt_token_ids=[1, 2, 3], sampling=greedy)
             )
         try:
-            async with grpc.aio.insecure_channel(stack.decodes[0].grpc) as channel:
+            async with internal_aio_channel(stack.decodes[0].grpc) as channel:
                 call = decode_pb2_grpc.DecodeStub(channel).Decode(
                     decode_pb2.DecodeRequest(
                         kv_handle=first.kv_handle, first_token_id=first.first_token_id, sampling=greedy
@@ -114,7 +114,7 @@ def test_request_larger_than_the_pool_is_refused(small_pool_stack: Stack) -> Non
         except grpc.aio.AioRpcError as exc:
             return exc.code()
         finally:
-            async with grpc.aio.insecure_channel(stack.prefills[0].grpc) as channel:
+            async with internal_aio_channel(stack.prefills[0].grpc) as channel:
                 await prefill_pb2_grpc.PrefillStub(channel).ReleaseKv(
                     prefill_pb2.ReleaseKvRequest(handle_id=first.kv_handle.id)
                 )

@@ -12,7 +12,7 @@ import torch
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from tests.conftest import StackPool, assert_no_leaks
 from tests.grpc_client import generate_many, make_request
-from tests.stack import Stack, scrape
+from tests.stack import Stack, internal_aio_channel, scrape
 from tests.test_equivalence import divergence_report, reference_tokens
 
 MODEL = "tiny-llama"
@@ -23,7 +23,7 @@ def greedy(max_tokens: int) -> sampling_pb2.SamplingParams:
 
 
 async def prefill(stack: Stack, prompt: list[int], max_tokens: int) -> decode_pb2.DecodeRequest:
-    async with grpc.aio.insecure_channel(stack.prefills[0].grpc) as channel:
+    async with internal_aio_channel(stack.prefills[0].grpc) as channel:
         first = await prefill_pb2_grpc.PrefillStub(channel).Prefill(
             prefill_pb2.PrefillRequest(prompt_token_ids=prompt, sampling=greedy(max_tokens))
         )
@@ -85,7 +85,7 @@ def test_requests_over_one_call_match_generate_in_few_messages(
 
     async def scenario() -> tuple[Caller, list[int]]:
         requests = [await prefill(stack, p, n) for p, n in zip(prompts, max_tokens, strict=True)]
-        async with grpc.aio.insecure_channel(stack.decodes[0].grpc) as channel:
+        async with internal_aio_channel(stack.decodes[0].grpc) as channel:
             caller = Caller(channel)
             for tag, request in enumerate(requests, start=1):
                 caller.start(tag, request)
@@ -124,7 +124,7 @@ def test_cancel_bad_requests_and_reused_tags_affect_only_their_request(stack_poo
         unknown = decode_pb2.DecodeRequest(
             request_id="unknown", kv_handle=handle, first_token_id=3, sampling=greedy(4)
         )
-        async with grpc.aio.insecure_channel(stack.decodes[0].grpc) as channel:
+        async with internal_aio_channel(stack.decodes[0].grpc) as channel:
             caller = Caller(channel)
             caller.start(1, long)
             caller.start(2, missing_handle)
@@ -157,7 +157,7 @@ def test_cancelling_the_call_cancels_its_requests(stack_pool: StackPool) -> None
 
     async def scenario() -> None:
         requests = [await prefill(stack, [4 + i, 5, 6], 400) for i in range(3)]
-        async with grpc.aio.insecure_channel(stack.decodes[0].grpc) as channel:
+        async with internal_aio_channel(stack.decodes[0].grpc) as channel:
             caller = Caller(channel)
             for tag, request in enumerate(requests, start=1):
                 caller.start(tag, request)

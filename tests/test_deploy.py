@@ -40,12 +40,13 @@ from pdserve.config.ep_ports import ep_port_range, ep_rank_ports
 from pdserve.rpc.health_client import poll_until_serving
 from tests import deploy_tools
 from tests.grpc_client import generate_many, make_request
-from tests.stack import REPO_ROOT, free_port, scrape, service_env
+from tests.stack import REPO_ROOT, TEST_TOKEN, free_port, scrape, service_env
 
 CONFIGS: dict[str, type] = {"prefill": PrefillConfig, "decode": DecodeConfig, "gateway": GatewayConfig}
 # Read by the libraries the services run (NCCL), not by pdserve's own settings.
 LIBRARY_VARIABLES = {"NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_HOSTID", "NCCL_P2P_DISABLE"}
 PORT_VARIABLES = ("PDSERVE_PORT", "PDSERVE_METRICS_PORT", "PDSERVE_KV_PORT", "PDSERVE_HTTP_PORT")
+TOKEN_FILE_VARIABLE = "PDSERVE_INTERNAL_TOKEN_FILE"
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 OVERLAYS = REPO_ROOT / "deploy" / "k8s" / "overlays"
 # Compose profile or kustomize overlay -> the image target it runs.
@@ -96,6 +97,14 @@ def read_variables() -> dict[str, set[str]]:
     for path in (p for package in packages for p in (REPO_ROOT / package).rglob("*.py")):
         in_code.update(re.findall(r"environ(?:\.get\(|\[)\"(PDSERVE_[A-Z_]+)\"", path.read_text()))
     return {name: set(flags.env_names(cls)) | in_code for name, cls in CONFIGS.items()}
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tests' internal token as a file: what a secret mounted into a container is here."""
+    path = tmp_path_factory.mktemp("secrets") / "internal-token"
+    path.write_text(TEST_TOKEN + "\n")
+    return path
 
 
 def parse_duration_s(text: str) -> float:
@@ -229,14 +238,32 @@ def parse_bytes(text: str | int) -> int:
     return int(match.group(1)) * units[match.group(2)]
 
 
-def test_compose_sets_only_variables_the_services_read(compose: dict[str, Any]) -> None:
+def test_compose_sets_only_variables_the_services_read(compose: dict[str, Any], token_file: Path) -> None:
     read = read_variables()
     for profile in VARIANTS:
         for start in compose_starts(compose, profile):
             assert start.argv[:2] == ["pdserve", start.service] and start.ep >= 1, start.name
             unknown = set(start.env) - read[start.service] - LIBRARY_VARIABLES
             assert not unknown, f"{start.name} sets variables that {start.service} does not read: {unknown}"
-            assert_env_builds_a_config(start)
+            assert_env_builds_a_config(start, token_file)
+
+
+def test_compose_and_k8s_give_every_service_the_internal_token_from_a_secret(
+    compose: dict[str, Any], overlays: dict[str, list[dict[str, Any]]]
+) -> None:
+    assert compose["secrets"]["internal-token"]["file"].endswith("secrets/internal-token")
+    for profile in VARIANTS:
+        for start in compose_starts(compose, profile):
+            assert start.env[TOKEN_FILE_VARIABLE] == "/run/secrets/internal-token", start.name
+            assert [s["source"] for s in start.extra["secrets"]] == ["internal-token"], start.name
+    for overlay, resources in overlays.items():
+        for start in k8s_starts(resources):
+            pod = start.extra["spec"]["template"]["spec"]
+            volumes = {v["name"]: v for v in pod["volumes"]}
+            mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+            assert volumes["internal-token"]["secret"]["secretName"] == "pdserve-internal-token"
+            path = Path(mounts["internal-token"]["mountPath"]) / "internal-token"
+            assert start.env[TOKEN_FILE_VARIABLE] == str(path), (overlay, start.name)
 
 
 def test_env_example_documents_what_compose_reads(compose: dict[str, Any]) -> None:
@@ -259,10 +286,12 @@ def test_env_example_documents_what_compose_reads(compose: dict[str, Any]) -> No
     assert env == {"COMPOSE_PROFILES": "gpu"} and example["COMPOSE_PROFILES"] == "gpu"
 
 
-def assert_env_builds_a_config(start: Start) -> None:
+def assert_env_builds_a_config(start: Start, token_file: Path) -> None:
     """The settings and options parse and validate as the service's config (a filled-in pod IP
-    stands in)."""
+    stands in, and ``token_file`` for the secret's)."""
     env = {k: v or "10.0.0.7" for k, v in start.env.items()}
+    if TOKEN_FILE_VARIABLE in env:
+        env[TOKEN_FILE_VARIABLE] = str(token_file)
     parser = argparse.ArgumentParser(exit_on_error=False)
     flags.add_arguments(parser, CONFIGS[start.service], env)
     try:
@@ -309,7 +338,7 @@ def test_k8s_overlays_validate_against_the_schemas(
 
 
 @pytest.mark.parametrize("overlay", list(VARIANTS))
-def test_k8s_workloads(overlays: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+def test_k8s_workloads(overlays: dict[str, list[dict[str, Any]]], overlay: str, token_file: Path) -> None:
     resources = overlays[overlay]
     services = {r["metadata"]["name"]: r for r in resources if r["kind"] == "Service"}
     starts = {s.service: s for s in k8s_starts(resources)}
@@ -319,7 +348,7 @@ def test_k8s_workloads(overlays: dict[str, list[dict[str, Any]]], overlay: str) 
         assert start.argv[:2] == ["pdserve", start.service] and start.ep >= 1, start.name
         unknown = set(start.env) - read[start.service] - LIBRARY_VARIABLES
         assert not unknown, f"{start.name} sets variables that {start.service} does not read: {unknown}"
-        assert_env_builds_a_config(start)
+        assert_env_builds_a_config(start, token_file)
         pod = start.extra["spec"]["template"]["spec"]
         container = pod["containers"][0]
         port = int(start.env["PDSERVE_PORT"])
@@ -604,11 +633,11 @@ def test_dockerfile_lints_and_builds_both_targets_as_a_non_root_user(
 
 
 def localize(
-    starts: list[Start], cache_dir: Path, model: str
+    starts: list[Start], cache_dir: Path, model: str, token_file: Path
 ) -> list[tuple[Start, dict[str, str], list[str]]]:
     """Each start with its addresses on 127.0.0.1 (fresh ports, a fresh block for the ranks of an
-    expert-parallel group), ``model`` and the test cache; GPU settings swapped for the CPU and gloo
-    (NCCL's own variables dropped)."""
+    expert-parallel group), ``model``, the test cache and ``token_file`` for its secret; GPU
+    settings swapped for the CPU and gloo (NCCL's own variables dropped)."""
     ports: dict[tuple[str, int], int] = {}
     for start in starts:
         for key in PORT_VARIABLES:
@@ -630,6 +659,8 @@ def localize(
         env = {k: v for k, v in start.env.items() if k not in LIBRARY_VARIABLES}
         env.update(PDSERVE_HOST="127.0.0.1", PDSERVE_ADVERTISE_HOST="127.0.0.1")
         env.update(PDSERVE_MODEL=model, PDSERVE_CACHE_DIR=str(cache_dir))
+        assert TOKEN_FILE_VARIABLE in env, f"{start.name}: no internal token"
+        env.update({TOKEN_FILE_VARIABLE: str(token_file), "PDSERVE_INTERNAL_TOKEN": ""})
         if "PDSERVE_DEVICE" in env:
             env.update(PDSERVE_DEVICE="cpu", PDSERVE_KV_BACKEND="gloo", PDSERVE_THREADS="1")
         for key in PORT_VARIABLES:
@@ -684,12 +715,13 @@ def test_start_commands_run_as_plain_processes(
     cache_dir: Path,
     tmp_path: Path,
     processes: list[subprocess.Popen[str]],
+    token_file: Path,
 ) -> None:
     if source == "compose":
         starts = compose_starts(request.getfixturevalue("compose"), variant)
     else:
         starts = k8s_starts(request.getfixturevalue("overlays")[variant])
-    runs = localize(starts, cache_dir, LOCAL_MODELS[variant])
+    runs = localize(starts, cache_dir, LOCAL_MODELS[variant], token_file)
     for start, env, _ in runs:
         assert start.argv[0] == "pdserve"
         log = (tmp_path / f"{start.name}.log").open("w")

@@ -26,7 +26,7 @@ from pdserve.v1 import (
     sampling_pb2,
 )
 from tests.grpc_client import make_request
-from tests.stack import ServiceProcess, Stack, scrape, wait_for
+from tests.stack import ServiceProcess, Stack, internal_channel, scrape, wait_for
 
 MODEL = "tiny-llama"
 GRACE_S = 30.0
@@ -52,7 +52,7 @@ class StreamInFlight(threading.Thread):
 
     def run(self) -> None:
         try:
-            with grpc.insecure_channel(self._address) as channel:
+            with internal_channel(self._address) as channel:
                 for chunk in self._open_stream(channel):
                     self.token_ids.extend(chunk.token_ids)
                     self.finish_reason = chunk.finish_reason or self.finish_reason
@@ -77,7 +77,7 @@ SHORT = sampling_pb2.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=T
 
 def park(prefill: ServiceProcess, sampling: sampling_pb2.SamplingParams) -> prefill_pb2.PrefillResponse:
     """A Prefill call straight to the prefill: the KV stays parked until a decode pulls it."""
-    with grpc.insecure_channel(prefill.grpc) as channel:
+    with internal_channel(prefill.grpc) as channel:
         parked = prefill_pb2_grpc.PrefillStub(channel).Prefill(
             prefill_pb2.PrefillRequest(request_id="t", prompt_token_ids=[3, 1, 4, 1, 5], sampling=sampling)
         )
@@ -158,7 +158,7 @@ def test_gateway_drain_finishes_the_stream_and_refuses_new_requests(stack: Stack
     assert wait_not_serving(gateway.grpc) < 1.0
     assert stream.is_alive(), "the stream ended before the drain could be observed"
 
-    with grpc.insecure_channel(gateway.grpc) as channel, pytest.raises(grpc.RpcError) as refused:
+    with internal_channel(gateway.grpc) as channel, pytest.raises(grpc.RpcError) as refused:
         list(
             gateway_pb2_grpc.GatewayStub(channel).Generate(make_request(prompt_token_ids=[1, 2]), timeout=10)
         )
@@ -186,12 +186,12 @@ def test_decode_drain_finishes_the_stream_and_refuses_new_work(stack: Stack) -> 
 
     # New work is refused before any byte moves: the KV stays parked for another decode.
     parked = park(prefill, SHORT)
-    with grpc.insecure_channel(decode.grpc) as channel, pytest.raises(grpc.RpcError) as refused:
+    with internal_channel(decode.grpc) as channel, pytest.raises(grpc.RpcError) as refused:
         list(decode_pb2_grpc.DecodeStub(channel).Decode(decode_request(parked, SHORT), timeout=10))
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "shutting down" in (refused.value.details() or "")
     other = next(d for d in alive(stack.decodes) if d is not decode)
-    with grpc.insecure_channel(other.grpc) as channel:
+    with internal_channel(other.grpc) as channel:
         chunks = list(decode_pb2_grpc.DecodeStub(channel).Decode(decode_request(parked, SHORT), timeout=30))
     assert sum(len(c.token_ids) for c in chunks) == SHORT.max_tokens - 1
 
@@ -232,7 +232,7 @@ def test_prefill_drain_keeps_serving_the_kv_it_parked(stack: Stack) -> None:
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
     # The decode pulls the KV parked before the signal from the draining prefill.
-    with grpc.insecure_channel(decode.grpc) as channel:
+    with internal_channel(decode.grpc) as channel:
         chunks = list(decode_pb2_grpc.DecodeStub(channel).Decode(decode_request(parked, SHORT), timeout=30))
     assert sum(len(c.token_ids) for c in chunks) == SHORT.max_tokens - 1
     assert chunks[-1].finish_reason == "length"

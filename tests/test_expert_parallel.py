@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import Stream, generate_many, make_request
-from tests.stack import REPO_ROOT, ServiceProcess, Stack, scrape, service_env, wait_for
+from tests.stack import REPO_ROOT, ServiceProcess, Stack, internal_aio_channel, scrape, service_env, wait_for
 from tests.test_equivalence import divergence_report, reference_tokens
 from tests.test_health_reflection import health
 from tests.test_up import PDSERVE, pdserve_up, pid_alive
@@ -275,7 +275,7 @@ def test_drain_waits_for_the_kv_parked_on_every_rank(cache_dir: Path, tmp_path: 
         sampling = sampling_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
         async def park() -> list[kv_pb2.KvHandle]:
-            async with grpc.aio.insecure_channel(prefill.grpc) as channel:
+            async with internal_aio_channel(prefill.grpc) as channel:
                 stub = prefill_pb2_grpc.PrefillStub(channel)
                 calls = [
                     stub.Prefill(
@@ -292,7 +292,7 @@ def test_drain_waits_for_the_kv_parked_on_every_rank(cache_dir: Path, tmp_path: 
 
         async def release(rank: int) -> None:
             for h in (h for h in handles if h.rank == rank):
-                async with grpc.aio.insecure_channel(h.prefill_address) as channel:
+                async with internal_aio_channel(h.prefill_address) as channel:
                     response = await prefill_pb2_grpc.PrefillStub(channel).ReleaseKv(
                         prefill_pb2.ReleaseKvRequest(handle_id=h.id)
                     )

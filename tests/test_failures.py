@@ -42,7 +42,7 @@ from prefill_service.servicer import KvHandoffServicer
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import Stream, generate_many, make_request
 from tests.kv_peer import Peer
-from tests.stack import ServiceProcess, Stack, free_port, scrape, wait_for
+from tests.stack import ServiceProcess, Stack, free_port, internal_aio_channel, scrape, wait_for
 from tests.test_equivalence import reference_tokens
 from tests.test_sampled_stack import one_process
 
@@ -93,14 +93,14 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 async def _prefill(service: ServiceProcess, prompt: list[int]) -> prefill_pb2.PrefillResponse:
-    async with grpc.aio.insecure_channel(service.grpc) as channel:
+    async with internal_aio_channel(service.grpc) as channel:
         return await prefill_pb2_grpc.PrefillStub(channel).Prefill(
             prefill_pb2.PrefillRequest(request_id="t", prompt_token_ids=prompt, sampling=GREEDY)
         )
 
 
 async def _decode(service: ServiceProcess, handle: kv_pb2.KvHandle, first_token: int) -> list[int]:
-    async with grpc.aio.insecure_channel(service.grpc) as channel:
+    async with internal_aio_channel(service.grpc) as channel:
         call = decode_pb2_grpc.DecodeStub(channel).Decode(
             decode_pb2.DecodeRequest(
                 request_id="t", kv_handle=handle, first_token_id=first_token, sampling=GREEDY
@@ -283,7 +283,7 @@ def test_prefill_killed_or_hung_mid_transfer_fails_the_pull_in_bound(
 
 
 async def _release(service: ServiceProcess, handle_id: bytes) -> None:
-    async with grpc.aio.insecure_channel(service.grpc) as channel:
+    async with internal_aio_channel(service.grpc) as channel:
         await prefill_pb2_grpc.PrefillStub(channel).ReleaseKv(
             prefill_pb2.ReleaseKvRequest(handle_id=handle_id)
         )
@@ -296,7 +296,7 @@ def test_a_flood_of_unknown_handles_is_refused_without_harm(stack: Stack) -> Non
     before_p, before_d = scrape(prefill.metrics), scrape(decode.metrics)
 
     async def flood() -> list[grpc.StatusCode]:
-        async with grpc.aio.insecure_channel(prefill.grpc) as channel:
+        async with internal_aio_channel(prefill.grpc) as channel:
             stub = prefill_pb2_grpc.PrefillStub(channel)
 
             async def pull(i: int) -> grpc.StatusCode:

@@ -13,21 +13,21 @@ import pytest
 
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from tests.conftest import StackPool
-from tests.stack import Stack, scrape
+from tests.stack import Stack, internal_aio_channel, scrape
 
 MODEL = "tiny-llama"
 GREEDY = sampling_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 async def prefill(stack: Stack, prompt: list[int]) -> prefill_pb2.PrefillResponse:
-    async with grpc.aio.insecure_channel(stack.prefills[0].grpc) as channel:
+    async with internal_aio_channel(stack.prefills[0].grpc) as channel:
         return await prefill_pb2_grpc.PrefillStub(channel).Prefill(
             prefill_pb2.PrefillRequest(request_id="t", prompt_token_ids=prompt, sampling=GREEDY)
         )
 
 
 async def release(stack: Stack, handle_id: bytes) -> bool:
-    async with grpc.aio.insecure_channel(stack.prefills[0].grpc) as channel:
+    async with internal_aio_channel(stack.prefills[0].grpc) as channel:
         response = await prefill_pb2_grpc.PrefillStub(channel).ReleaseKv(
             prefill_pb2.ReleaseKvRequest(handle_id=handle_id)
         )
@@ -35,7 +35,7 @@ async def release(stack: Stack, handle_id: bytes) -> bool:
 
 
 async def decode(stack: Stack, handle: kv_pb2.KvHandle, first_token: int) -> list[int]:
-    async with grpc.aio.insecure_channel(stack.decodes[0].grpc) as channel:
+    async with internal_aio_channel(stack.decodes[0].grpc) as channel:
         call = decode_pb2_grpc.DecodeStub(channel).Decode(
             decode_pb2.DecodeRequest(
                 request_id="t", kv_handle=handle, first_token_id=first_token, sampling=GREEDY
@@ -126,7 +126,7 @@ def test_malformed_pull_is_invalid_argument(stack_pool: StackPool) -> None:
     stack = stack_pool.get(MODEL)
 
     async def pull(request: prefill_pb2.PullKvRequest) -> None:
-        async with grpc.aio.insecure_channel(stack.prefills[0].grpc) as channel:
+        async with internal_aio_channel(stack.prefills[0].grpc) as channel:
             await prefill_pb2_grpc.PrefillStub(channel).PullKv(request)
 
     for request, code in (
@@ -151,7 +151,7 @@ def test_prefill_rejects_bad_input_directly(stack_pool: StackPool) -> None:
     stack = stack_pool.get(MODEL)
 
     async def call(request: prefill_pb2.PrefillRequest) -> None:
-        async with grpc.aio.insecure_channel(stack.prefills[0].grpc) as channel:
+        async with internal_aio_channel(stack.prefills[0].grpc) as channel:
             await prefill_pb2_grpc.PrefillStub(channel).Prefill(request)
 
     for request, named in (

@@ -1,18 +1,21 @@
-"""Every service answers grpc.health.v1 and lists its services through reflection."""
+"""Every service answers grpc.health.v1; prefill and decode list their services through reflection
+(to callers with the internal token), the gateway only with --reflection (tests/test_auth.py)."""
 
 from __future__ import annotations
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tests.conftest import StackPool
+from tests.stack import internal_channel
 
 MODEL = "tiny-llama"
 
 
 def listed_services(address: str) -> set[str]:
-    with grpc.insecure_channel(address) as channel:
+    with internal_channel(address) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         responses = stub.ServerReflectionInfo(
             iter([reflection_pb2.ServerReflectionRequest(list_services="")])
@@ -21,7 +24,7 @@ def listed_services(address: str) -> set[str]:
 
 
 def health(address: str, service: str = "") -> int:
-    with grpc.insecure_channel(address) as channel:
+    with internal_channel(address) as channel:
         response = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=service), timeout=5
         )
@@ -38,5 +41,10 @@ def test_health_and_reflection_on_every_service(stack_pool: StackPool) -> None:
     ):
         assert health(process.grpc) == health_pb2.HealthCheckResponse.SERVING
         assert health(process.grpc, name) == health_pb2.HealthCheckResponse.SERVING
+        if process is stack.gateway:
+            with pytest.raises(grpc.RpcError) as off:
+                listed_services(process.grpc)
+            assert off.value.code() == grpc.StatusCode.UNIMPLEMENTED  # no reflection by default
+            continue
         services = listed_services(process.grpc)
         assert {name, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services

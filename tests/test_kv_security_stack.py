@@ -30,7 +30,7 @@ from pdserve.kv.shared_memory import LOCK_SUFFIX, PREFIX
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import expect_error, generate_many, make_request
-from tests.stack import ServiceProcess, Stack, free_port, scrape, service_env, wait_for
+from tests.stack import ServiceProcess, Stack, free_port, internal_aio_channel, scrape, service_env, wait_for
 
 MODEL = "tiny-llama"
 TRANSFER_TIMEOUT_S = 5.0
@@ -79,14 +79,14 @@ def decode_instance_id(decode: ServiceProcess) -> str:
 
 
 async def prefill(stack: Stack, prompt: list[int]) -> prefill_pb2.PrefillResponse:
-    async with grpc.aio.insecure_channel(stack.prefills[0].grpc) as channel:
+    async with internal_aio_channel(stack.prefills[0].grpc) as channel:
         return await prefill_pb2_grpc.PrefillStub(channel).Prefill(
             prefill_pb2.PrefillRequest(request_id="attacker", prompt_token_ids=prompt, sampling=GREEDY)
         )
 
 
 async def pull_code(stack: Stack, request: prefill_pb2.PullKvRequest) -> grpc.StatusCode:
-    async with grpc.aio.insecure_channel(stack.prefills[0].grpc) as channel:
+    async with internal_aio_channel(stack.prefills[0].grpc) as channel:
         try:
             await prefill_pb2_grpc.PrefillStub(channel).PullKv(request, timeout=10)
         except grpc.aio.AioRpcError as exc:
@@ -148,14 +148,14 @@ def test_a_forged_pull_on_the_decodes_live_pair_leaves_every_stream_exact(
 
 
 async def release(stack: Stack, handle_id: bytes) -> None:
-    async with grpc.aio.insecure_channel(stack.prefills[0].grpc) as channel:
+    async with internal_aio_channel(stack.prefills[0].grpc) as channel:
         await prefill_pb2_grpc.PrefillStub(channel).ReleaseKv(
             prefill_pb2.ReleaseKvRequest(handle_id=handle_id)
         )
 
 
 async def decode_code(stack: Stack, handle: kv_pb2.KvHandle, first_token: int) -> grpc.StatusCode:
-    async with grpc.aio.insecure_channel(stack.decodes[0].grpc) as channel:
+    async with internal_aio_channel(stack.decodes[0].grpc) as channel:
         call = decode_pb2_grpc.DecodeStub(channel).Decode(
             decode_pb2.DecodeRequest(
                 request_id="t", kv_handle=handle, first_token_id=first_token, sampling=GREEDY
@@ -208,7 +208,7 @@ def test_the_prefill_listens_only_on_its_host_and_its_pair_stores_answer_no_outs
 
     async def store_codes() -> list[grpc.StatusCode]:
         codes = []
-        async with grpc.aio.insecure_channel(service.grpc) as channel:
+        async with internal_aio_channel(service.grpc) as channel:
             stub = prefill_pb2_grpc.PrefillStub(channel)
             for op, secret in (
                 ("get", secrets.token_bytes(32)),

@@ -22,7 +22,7 @@ from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grp
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import generate_many, make_request
 from tests.kv_peer import Peer
-from tests.stack import ServiceProcess, Stack, scrape
+from tests.stack import ServiceProcess, Stack, internal_aio_channel, scrape
 from tests.test_equivalence import divergence_report, reference_tokens
 
 MODEL = "tiny-llama"
@@ -60,11 +60,11 @@ async def _prefill_then_decode(
     prefill: ServiceProcess, decode: ServiceProcess, prompt: list[int], max_tokens: int
 ) -> list[int]:
     sampling = sampling_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    async with grpc.aio.insecure_channel(prefill.grpc) as channel:
+    async with internal_aio_channel(prefill.grpc) as channel:
         first = await prefill_pb2_grpc.PrefillStub(channel).Prefill(
             prefill_pb2.PrefillRequest(prompt_token_ids=prompt, sampling=sampling)
         )
-    async with grpc.aio.insecure_channel(decode.grpc) as channel:
+    async with internal_aio_channel(decode.grpc) as channel:
         call = decode_pb2_grpc.DecodeStub(channel).Decode(
             decode_pb2.DecodeRequest(
                 kv_handle=first.kv_handle, first_token_id=first.first_token_id, sampling=sampling
@@ -128,7 +128,7 @@ def test_a_send_stuck_on_one_decode_does_not_hold_another_decodes_transfers(
     sampling = sampling_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
     async def park(prompt: list[int]) -> prefill_pb2.PrefillResponse:
-        async with grpc.aio.insecure_channel(prefill.grpc) as channel:
+        async with internal_aio_channel(prefill.grpc) as channel:
             return await prefill_pb2_grpc.PrefillStub(channel).Prefill(
                 prefill_pb2.PrefillRequest(prompt_token_ids=prompt, sampling=sampling)
             )

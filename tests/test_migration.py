@@ -32,7 +32,7 @@ from pdserve.v1 import (
 )
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import Stream, generate_many, make_request
-from tests.stack import ServiceProcess, Stack, free_port, scrape, wait_for
+from tests.stack import ServiceProcess, Stack, free_port, internal_aio_channel, scrape, wait_for
 from tests.test_equivalence import divergence_report
 from tests.test_sampled_stack import one_process
 
@@ -254,13 +254,13 @@ def test_streams_end_unavailable_when_no_decode_is_left(stack: Stack) -> None:
 
 
 async def _prefill(stack: Stack, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
-    async with grpc.aio.insecure_channel(stack.prefills[0].grpc) as channel:
+    async with internal_aio_channel(stack.prefills[0].grpc) as channel:
         response: prefill_pb2.PrefillResponse = await prefill_pb2_grpc.PrefillStub(channel).Prefill(request)
         return response
 
 
 async def _release(stack: Stack, handle: kv_pb2.KvHandle) -> None:
-    async with grpc.aio.insecure_channel(stack.prefills[0].grpc) as channel:
+    async with internal_aio_channel(stack.prefills[0].grpc) as channel:
         await prefill_pb2_grpc.PrefillStub(channel).ReleaseKv(
             prefill_pb2.ReleaseKvRequest(handle_id=handle.id)
         )
@@ -332,7 +332,7 @@ def test_a_bad_num_generated_is_invalid_argument_on_decode(stack: Stack, num_gen
     )
 
     async def decode() -> None:
-        async with grpc.aio.insecure_channel(stack.decodes[0].grpc) as channel:
+        async with internal_aio_channel(stack.decodes[0].grpc) as channel:
             call = decode_pb2_grpc.DecodeStub(channel).Decode(
                 decode_pb2.DecodeRequest(
                     request_id="hostile",

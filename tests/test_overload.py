@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import Stream, expect_error, make_request
-from tests.stack import Stack, scrape, wait_for
+from tests.stack import Stack, internal_aio_channel, scrape, wait_for
 
 MAX_IN_FLIGHT = 4
 RETRY_AFTER_S = 2
@@ -198,7 +198,7 @@ def test_a_full_prefill_queue_answers_at_once_with_resource_exhausted(stack: Sta
     )
 
     async def burst() -> list[grpc.StatusCode]:
-        async with grpc.aio.insecure_channel(stack.prefills[0].grpc) as channel:
+        async with internal_aio_channel(stack.prefills[0].grpc) as channel:
             stub = prefill_pb2_grpc.PrefillStub(channel)
 
             async def one() -> grpc.StatusCode:

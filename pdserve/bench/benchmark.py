@@ -47,7 +47,7 @@ def token_counter(tokenizer: Any) -> TokenCounter | None:
 
 async def run_benchmark(config: BenchConfig, base_url: str, pids: list[int]) -> dict[str, Any]:
     """Runs ``config`` against ``base_url``; the result of ``report.build_result`` plus ``table``."""
-    async with new_session(config.concurrency) as session:
+    async with new_session(config.concurrency, config.api_key, config.tls_ca) as session:
         model = config.model or await first_model_id(session, base_url)
         tokenizer = load_tokenizer(config.tokenizer or config.launch or model)
         if config.tokenizer and tokenizer is None:

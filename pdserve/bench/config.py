@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.config.checks import check_file
+
 ENDPOINTS = ("completions", "chat")
 PROMPT_FORMATS = ("auto", "ids", "text")
 MODES = ("disaggregated", "colocated")
@@ -110,10 +112,19 @@ class BenchConfig:
     )
     mode: str = field(default="disaggregated", metadata={"help": "with --launch: disaggregated or colocated"})
     launch_timeout_s: float = field(default=300.0, metadata={"help": "with --launch: bound on start-up"})
+    api_key: str = field(
+        default="",
+        metadata={"help": "API key sent as `Authorization: Bearer KEY` ('' = none)", "secret": True},
+    )
+    tls_ca: str = field(
+        default="",
+        metadata={"help": "PEM CA bundle (or self-signed certificate) an https:// server must chain to"},
+    )
 
     def __post_init__(self) -> None:
         if not self.launch and not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+        check_file("--tls-ca", self.tls_ca)
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
         if self.prompt_format not in PROMPT_FORMATS:

@@ -7,6 +7,7 @@ The measured wall time runs from the first send to the last request's end.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -132,13 +133,16 @@ async def run_requests(
     return RunResult(list(records), time.perf_counter() - start)
 
 
-def new_session(concurrency: int) -> aiohttp.ClientSession:
-    """An HTTP session whose connection pool fits the concurrency (0 = unbounded).
+def new_session(concurrency: int, api_key: str = "", tls_ca: str = "") -> aiohttp.ClientSession:
+    """An HTTP session whose connection pool fits the concurrency (0 = unbounded), sending the
+    ``api_key`` as a bearer token and trusting ``tls_ca`` for https:// ('' = the system's CAs).
 
     Idle connections are dropped before common servers' keep-alive timeout (uvicorn: 5 s), so
     that a request never goes out on a connection the server is closing.
     """
+    ssl_context = ssl.create_default_context(cafile=tls_ca) if tls_ca else True
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=concurrency, keepalive_timeout=KEEPALIVE_S),
+        connector=aiohttp.TCPConnector(limit=concurrency, keepalive_timeout=KEEPALIVE_S, ssl=ssl_context),
         timeout=aiohttp.ClientTimeout(total=None),
+        headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
     )

@@ -2,6 +2,7 @@
 environment variables derived from them."""
 
 from pdserve.config.request_limits import RequestLimits
+from pdserve.config.security import InternalSecurity, PublicSecurity
 from pdserve.config.services import (
     BACKENDS,
     CPU_BATCH_TOKENS,
@@ -31,7 +32,9 @@ __all__ = [
     "DecodeConfig",
     "EngineConfig",
     "GatewayConfig",
+    "InternalSecurity",
     "PrefillConfig",
+    "PublicSecurity",
     "RequestLimits",
     "ServerConfig",
     "TransferConfig",

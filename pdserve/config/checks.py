@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
@@ -73,3 +74,17 @@ def device_at(device: str, offset: int = 0) -> str:
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_file(flag: str, path: str) -> None:
+    """A file to read at start-up ('' = none): it must exist and be a file."""
+    if path and not os.path.isfile(path):
+        raise ValueError(f"{flag} {path!r} is not a readable file")
+
+
+def check_file_pair(flag: str, path: str, other_flag: str, other_path: str) -> None:
+    """Two files that go together (a certificate and its key): both or neither, each existing."""
+    if bool(path) != bool(other_path):
+        raise ValueError(f"{flag} and {other_flag} go together: set both or neither")
+    check_file(flag, path)
+    check_file(other_flag, other_path)

@@ -2,7 +2,9 @@
 
 Each leaf field ``name`` of a (possibly nested) config dataclass becomes the flag ``--name``
 (underscores as dashes) and the environment variable ``PDSERVE_NAME``. The flag wins over the
-environment, which wins over the dataclass default. Tuples are comma-separated.
+environment, which wins over the dataclass default. Tuples are comma-separated. A field marked
+``env_only`` (a secret that must never appear on a command line) is read from its environment
+variable alone: it has no flag and ``to_args`` leaves it out.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Option:
     default: Any
     help: str
     secret: bool = False  # its value is never shown (``--help``)
+    env_only: bool = False  # no flag: read from the environment only
 
     @property
     def name(self) -> str:
@@ -61,7 +64,14 @@ def options(cls: type, defaults: Any = None, prefix: tuple[str, ...] = ()) -> It
             yield from options(typing.cast(type, kind), default, (*prefix, f.name))
         else:
             help_text = str(f.metadata.get("help", ""))
-            yield Option((*prefix, f.name), kind, default, help_text, bool(f.metadata.get("secret")))
+            yield Option(
+                (*prefix, f.name),
+                kind,
+                default,
+                help_text,
+                bool(f.metadata.get("secret")),
+                bool(f.metadata.get("env_only")),
+            )
 
 
 def env_names(cls: type) -> list[str]:
@@ -99,6 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, env: Mapping[str, 
         default = option.default
         if option.env_var in env:
             default = _parse(option, env[option.env_var])
+        if option.env_only:
+            parser.set_defaults(**{option.name: default})
+            continue
         shown = ",".join(default) if isinstance(default, tuple) else default
         if option.secret and shown:
             shown = "(set)"
@@ -118,6 +131,8 @@ def to_args(cls: type, config: Any, **overrides: Any) -> list[str]:
     """The flags that build ``config`` again (``overrides`` replace fields by name)."""
     args: list[str] = []
     for option in options(cls, config):
+        if option.env_only:
+            continue
         value = overrides.get(option.name, _leaf(config, option.path))
         if isinstance(value, tuple):
             value = ",".join(value)

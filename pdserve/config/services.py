@@ -22,6 +22,7 @@ from pdserve.config.checks import (
 )
 from pdserve.config.ep_ports import check_ep_port_base, ep_port_range
 from pdserve.config.request_limits import RequestLimits
+from pdserve.config.security import InternalSecurity, PublicSecurity
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BACKENDS = ("auto", "gloo", "nccl", "shm", "cuda-ipc")
@@ -195,11 +196,13 @@ MAX_BATCH_TOKENS_HELP = (
 
 @dataclass(frozen=True)
 class EngineService:
-    """What every engine service has: where it listens, how it runs its model, how KV moves."""
+    """What every engine service has: where it listens, how it runs its model, how KV moves, who
+    may call it."""
 
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    security: InternalSecurity = field(default_factory=InternalSecurity)
 
     def check_ep_ports(self, *ports: int) -> None:
         """Rank 0's own ports (``ports``: the service's public ones) lie outside the group's block."""
@@ -401,14 +404,9 @@ class GatewayConfig:
     served_model_name: str = field(
         default="", metadata={"help": "model id of the HTTP API (default: the --model value)"}
     )
-    api_key: str = field(
-        default="",
-        metadata={
-            "help": "HTTP API calls under /v1 must send `Authorization: Bearer KEY` ('' = no key)",
-            "secret": True,
-        },
-    )
     limits: RequestLimits = field(default_factory=RequestLimits)
+    public: PublicSecurity = field(default_factory=PublicSecurity)
+    internal: InternalSecurity = field(default_factory=InternalSecurity)
 
     def __post_init__(self) -> None:
         if not self.prefill:

@@ -50,6 +50,7 @@ from pdserve.hosting.rank_router import DecodeRouter, PrefillRouter, RankChannel
 from pdserve.hosting.service_kind import RankParts, ServiceKind
 from pdserve.model.engine_model import ForwardUnavailable, load_engine_model
 from pdserve.rpc.server import ServiceServer, announce_ready
+from pdserve.rpc.service_security import internal_client
 from pdserve.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ class _RankRun:
             logger.error("pdserve %s --ep %d: %s", kind.command, group.size, exc)
             raise SystemExit(2) from None
         # Rank 0's public port is for its routers; every rank serves its parts on an internal port.
-        internal = kind.server(config.server, internal_port(config.engine))
+        internal = kind.server(config, internal_port(config.engine))
         parts = kind.build(config, rank_model.engine_model, internal, group.rank)
         rank_model.lockstep.track_busy(parts.busy)
         register_ep_metrics(
@@ -207,8 +208,10 @@ class _RankRun:
         if self.group.rank != 0:
             return
         kind = self.kind
-        self.public = public = kind.server(self.config.server, self.config.server.port)
-        self.ranks = ranks = RankChannels([i["grpc"] for i in self.infos])
+        self.public = public = kind.server(self.config, self.config.server.port)
+        self.ranks = ranks = RankChannels(
+            [i["grpc"] for i in self.infos], internal_client(self.config.security)
+        )
         if kind.routes_prefill:
             prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillRouter(ranks), public.server)
         if kind.routes_decode:

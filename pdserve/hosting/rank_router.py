@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.rpc.channel_security import ChannelSecurity
 from pdserve.rpc.errors import RpcError, abort
 from pdserve.rpc.server import MESSAGE_SIZE_OPTIONS
 from pdserve.rpc.update_stream import UpdateStream, serve_many, serve_one
@@ -29,10 +30,11 @@ from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grp
 
 
 class RankChannels:
-    """One channel per rank's internal server, and the calls in flight on each."""
+    """One channel per rank's internal server (``security``: the internal credential), and the calls
+    in flight on each."""
 
-    def __init__(self, addresses: Sequence[str]) -> None:
-        self.channels = [grpc.aio.insecure_channel(a, options=MESSAGE_SIZE_OPTIONS) for a in addresses]
+    def __init__(self, addresses: Sequence[str], security: ChannelSecurity) -> None:
+        self.channels = [security.aio_channel(a, options=MESSAGE_SIZE_OPTIONS) for a in addresses]
         self.in_flight = [0] * len(addresses)
 
     def least_loaded(self) -> int:

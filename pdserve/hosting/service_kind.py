@@ -14,10 +14,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.config import ServerConfig
 from pdserve.hosting.metrics_server import MetricsServer
 from pdserve.model.engine_model import EngineModel
 from pdserve.rpc.server import ServiceServer
+from pdserve.rpc.service_security import internal_server_security
 
 
 @dataclass
@@ -50,12 +50,14 @@ class ServiceKind:
     routes_decode: bool
     decode_by_handle_rank: bool = False  # colocated: the KV is only on the rank that prefilled it
 
-    def server(self, config: ServerConfig, port: int) -> ServiceServer:
-        """A gRPC server of this service's names and work methods on ``port``."""
+    def server(self, config: Any, port: int) -> ServiceServer:
+        """A gRPC server of this service's names and work methods on ``port``, taking only calls
+        with the internal token of ``config`` (the service's config)."""
         return ServiceServer(
-            config.host,
+            config.server.host,
             port,
             self.service_names,
             work_methods=self.work_methods,
-            advertise_host=config.public_host,
+            advertise_host=config.server.public_host,
+            security=internal_server_security(config.security),
         )

@@ -28,7 +28,7 @@ async def serve_service(kind: ServiceKind, config: Any) -> None:
     server_config = config.server
     host = server_config.public_host
     engine_model = await asyncio.to_thread(load_engine_model, config.engine)
-    server = kind.server(server_config, server_config.port)
+    server = kind.server(config, server_config.port)
     parts = kind.build(config, engine_model, server, 0)
     metrics_servers = parts.serve_metrics(server_config.host)
     await asyncio.to_thread(parts.warm_up)

@@ -9,6 +9,7 @@ from typing import Any, TextIO
 import grpc
 
 from pdserve import client
+from pdserve.rpc.channel_security import PLAIN, ChannelSecurity
 from pdserve.v1 import gateway_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -20,8 +21,17 @@ THREAD_JOIN_S = 2.0
 class Demo:
     """Streams one greedy chat request through the gateway to ``out``, on its own thread."""
 
-    def __init__(self, address: str, prompt: str, out: TextIO, out_lock: threading.Lock) -> None:
+    def __init__(
+        self,
+        address: str,
+        prompt: str,
+        out: TextIO,
+        out_lock: threading.Lock,
+        security: ChannelSecurity = PLAIN,
+    ) -> None:
+        """``security``: how to call the gateway (its API key, TLS)."""
         self._address = address
+        self._security = security
         self._prompt = prompt
         self._out = out
         self._out_lock = out_lock
@@ -30,7 +40,7 @@ class Demo:
         self._thread = threading.Thread(target=self._run, name="pdserve-demo", daemon=True)
 
     def start(self) -> None:
-        self._channel = grpc.insecure_channel(self._address)
+        self._channel = self._security.channel(self._address)
         self._thread.start()
 
     def cancel(self) -> None:

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.config import BACKENDS, DEFAULT_MODEL, HTTP_PORT
+from pdserve.config import BACKENDS, DEFAULT_MODEL, HTTP_PORT, InternalSecurity, PublicSecurity
 from pdserve.config.checks import (
     check_at_least,
     check_choice,
     check_device,
+    check_file,
     check_non_negative,
     check_port,
     check_positive,
@@ -104,6 +105,17 @@ class UpConfig:
     demo_prompt: str = field(
         default="What is the capital of France?", metadata={"help": "user message of the demo request"}
     )
+    # The gateway's (handed to it through the environment); the internal token is made per run
+    # when none is set, and reaches the children through the environment too.
+    public: PublicSecurity = field(default_factory=PublicSecurity)
+    tls_ca: str = field(
+        default="",
+        metadata={
+            "help": "PEM CA bundle that pdserve up's own health checks and demo trust for the gateway's "
+            "--tls-cert (default: the certificate itself, e.g. a self-signed one)"
+        },
+    )
+    internal: InternalSecurity = field(default_factory=InternalSecurity)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -140,6 +152,7 @@ class UpConfig:
         check_non_negative("shutdown_timeout_s", self.shutdown_timeout_s)
         if self.demo and not self.demo_prompt:
             raise ValueError("demo_prompt must not be empty when demo is on")
+        check_file("--tls-ca", self.tls_ca)
 
     @property
     def uses_gpus(self) -> bool:
@@ -273,9 +286,9 @@ def pdserve_executable() -> str:
     return relative if not relative.startswith("..") else str(candidate)
 
 
-def curl_example(http_address: str, model: str, with_api_key: bool = False) -> str:
+def curl_example(http_address: str, model: str, with_api_key: bool = False, tls_ca: str = "") -> str:
     """The ``curl`` line of the hint ``pdserve up`` prints: one chat request over the HTTP API
-    (``with_api_key``: sending the key of ``$PDSERVE_API_KEY``)."""
+    (``with_api_key``: sending the key of ``$PDSERVE_API_KEY``; ``tls_ca``: over HTTPS, trusting it)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "What is the capital of France?"}],
@@ -283,7 +296,12 @@ def curl_example(http_address: str, model: str, with_api_key: bool = False) -> s
     }
     return (
         "or over the OpenAI-compatible HTTP API:\n"
-        f"  curl http://{http_address}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        + (
+            f"  curl --cacert {shlex.quote(tls_ca)} https://{http_address}/v1/chat/completions"
+            if tls_ca
+            else f"  curl http://{http_address}/v1/chat/completions"
+        )
+        + " -H 'Content-Type: application/json' \\\n"
         + ('    -H "Authorization: Bearer $PDSERVE_API_KEY" \\\n' if with_api_key else "")
         + f"    -d {shlex.quote(json.dumps(body))}\n"
     )

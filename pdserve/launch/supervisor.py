@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import queue
+import shlex
 import signal
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from typing import Any, TextIO
 from pdserve.config import flags
 from pdserve.core.logs import configure_logging
 from pdserve.core.processes import with_parent_death_signal
+from pdserve.launch.child_security import child_client, child_env, gateway_client, run_token
 from pdserve.launch.demo import Demo
 from pdserve.launch.device_plan import DevicePlan, plan_devices
 from pdserve.launch.spec import (
@@ -112,7 +114,9 @@ class Supervisor:
 
     ``command_builder`` maps a ``LaunchSpec`` to the argv of a child (default: the real services);
     ``health_check(address, timeout_s)`` raises TimeoutError unless the address is SERVING
-    (None skips the check). ``run`` must be called from a thread that outlives the children.
+    (None skips the check; the default calls each child with its credentials). ``run`` must be
+    called from a thread that outlives the children, which get the run's internal token (and the
+    gateway its API key and TLS files) through their environment.
     """
 
     def __init__(
@@ -135,7 +139,10 @@ class Supervisor:
         self._stdout = sys.stdout if stdout is None else stdout
         self._stderr = sys.stderr if stderr is None else stderr
         self._stderr_lock = threading.Lock()
-        self._env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+        self._token = run_token(config)
+        self._env = child_env(
+            config, self._token, {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+        )
         self._events: queue.Queue[_Event] = queue.Queue()
         self._children: list[_Child] = []
         self._stop_requests = 0
@@ -237,7 +244,13 @@ class Supervisor:
 
         self._announce()
         if config.demo:
-            self._demo = Demo(self._address(gateway), config.demo_prompt, self._stderr, self._stderr_lock)
+            self._demo = Demo(
+                self._address(gateway),
+                config.demo_prompt,
+                self._stderr,
+                self._stderr_lock,
+                gateway_client(config),
+            )
             self._demo.start()
         return self._monitor()
 
@@ -314,8 +327,14 @@ class Supervisor:
                 if remaining <= 0:
                     logger.error("%s at %s is not SERVING within the startup timeout", child.name, address)
                     return 1
+                check = self._health_check
+                if check is health_client.wait_serving:  # the real check: as the child's clients call
+                    check = functools.partial(
+                        health_client.wait_serving,
+                        security=child_client(self.config, self._token, child.spec.role),
+                    )
                 try:
-                    self._health_check(address, min(remaining, HEALTH_ATTEMPT_S))
+                    check(address, min(remaining, HEALTH_ATTEMPT_S))
                     break
                 except TimeoutError:
                     continue
@@ -330,12 +349,15 @@ class Supervisor:
         gateway = self._children[-1]
         address = self._address(gateway)
         http = gateway.info.get("http") if gateway.info is not None else None
+        trusted = (self.config.tls_ca or self.config.public.tls_cert) if self.config.public.tls_cert else ""
+        tls_flag = f" --tls-ca {shlex.quote(trusted)}" if trusted else ""
         self._write_stderr(
             f"pdserve is up: gateway on {address} with {self.config.prefill_replicas} prefill and "
             f"{self.config.decode_replicas} decode replica(s). Send a request with:\n"
-            f'  {pdserve_executable()} generate --address {address} "The capital of France is"\n'
+            f"  {pdserve_executable()} generate --address {address}{tls_flag} "
+            '"The capital of France is"\n'
             + (
-                curl_example(str(http), self.config.model, bool(self._env.get("PDSERVE_API_KEY")))
+                curl_example(str(http), self.config.model, bool(self.config.public.api_key), trusted)
                 if http
                 else ""
             )

@@ -16,6 +16,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.rpc.channel_security import PLAIN, ChannelSecurity
+from pdserve.rpc.client_flags import add_tls_client_arguments, tls_from_args
+
 SERVING = "SERVING"
 DEFAULT_TIMEOUT_S = 5.0
 POLL_INTERVAL_S = 0.1
@@ -33,22 +36,29 @@ def _check_on(channel: Any, timeout_s: float, service: str) -> str:
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
 
 
-def check(address: str, timeout_s: float = DEFAULT_TIMEOUT_S, service: str = "") -> str:
-    """One health check of ``service`` ("" is the whole server) at ``address`` (HOST:PORT)."""
+def check(
+    address: str, timeout_s: float = DEFAULT_TIMEOUT_S, service: str = "", security: ChannelSecurity = PLAIN
+) -> str:
+    """One health check of ``service`` ("" is the whole server) at ``address`` (HOST:PORT);
+    ``security``: plaintext or TLS (and a client certificate)."""
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    with grpc.insecure_channel(address) as channel:
+    with security.channel(address) as channel:
         return _check_on(channel, timeout_s, service)
 
 
 def poll_until_serving(
-    address: str, timeout_s: float, service: str = "", poll_interval_s: float = POLL_INTERVAL_S
+    address: str,
+    timeout_s: float,
+    service: str = "",
+    poll_interval_s: float = POLL_INTERVAL_S,
+    security: ChannelSecurity = PLAIN,
 ) -> str:
     """Polls ``address`` until it reports SERVING or ``timeout_s`` passes; returns the last status."""
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with security.channel(address) as channel:
         while True:
             remaining = deadline - time.monotonic()
             status = _check_on(channel, max(min(remaining, MAX_CALL_TIMEOUT_S), 0.01), service)
@@ -59,10 +69,14 @@ def poll_until_serving(
 
 
 def wait_serving(
-    address: str, timeout_s: float, service: str = "", poll_interval_s: float = POLL_INTERVAL_S
+    address: str,
+    timeout_s: float,
+    service: str = "",
+    poll_interval_s: float = POLL_INTERVAL_S,
+    security: ChannelSecurity = PLAIN,
 ) -> None:
     """Polls ``address`` until it reports SERVING; raises TimeoutError after ``timeout_s``."""
-    status = poll_until_serving(address, timeout_s, service, poll_interval_s)
+    status = poll_until_serving(address, timeout_s, service, poll_interval_s, security)
     if status != SERVING:
         raise TimeoutError(f"{address} is not SERVING after {timeout_s:g} s (last status: {status})")
 
@@ -80,6 +94,7 @@ def add_health_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--wait", action="store_true", help="poll until SERVING or --timeout-s passes instead of asking once"
     )
+    add_tls_client_arguments(parser)
 
 
 def run_health(args: argparse.Namespace) -> int:
@@ -90,9 +105,14 @@ def run_health(args: argparse.Namespace) -> int:
     if timeout_s <= 0:
         print(f"error: --timeout-s must be > 0, got {timeout_s}", file=sys.stderr)
         return 2
+    try:
+        security = tls_from_args(args)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if getattr(args, "wait", False):
-        status = poll_until_serving(address, timeout_s, service)
+        status = poll_until_serving(address, timeout_s, service, security=security)
     else:
-        status = check(address, timeout_s, service)
+        status = check(address, timeout_s, service, security)
     print(status)
     return 0 if status == SERVING else 1

@@ -1,6 +1,8 @@
 """Building, announcing and draining the gRPC server of a service.
 
-Every service gets standard health checking (``grpc.health.v1``) and reflection. On SIGTERM or
+Every service gets standard health checking (``grpc.health.v1``) and, unless its ``ServerSecurity``
+turns it off, reflection; that security's gate (the internal token, the API key) sees every call
+first, and its credentials serve the port over TLS. On SIGTERM or
 SIGINT the service drains:
 1. health reports NOT_SERVING at once (health and reflection keep answering while it drains);
 2. new calls of its work methods (Generate, Prefill, Decode, DecodeMany) are refused with
@@ -30,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.core.logs import configure_logging
 from pdserve.core.nccl import configure_error_handling
+from pdserve.rpc.service_security import OPEN, ServerSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +140,8 @@ class ServiceServer:
 
     ``work_methods`` are the full names (``/package.Service/Method``) of the calls that drain
     refuses once it starts and waits for; ``advertise_host`` is the host in ``address`` ('' = host);
-    a request message beyond ``max_receive_bytes`` is refused by gRPC (RESOURCE_EXHAUSTED).
+    a request message beyond ``max_receive_bytes`` is refused by gRPC (RESOURCE_EXHAUSTED);
+    ``security``: who may call it and over what (default: anyone, plaintext, with reflection).
     """
 
     def __init__(
@@ -148,6 +152,7 @@ class ServiceServer:
         work_methods: Collection[str] = (),
         advertise_host: str = "",
         max_receive_bytes: int = MAX_MESSAGE_BYTES,
+        security: ServerSecurity = OPEN,
     ) -> None:
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -156,15 +161,20 @@ class ServiceServer:
             ("grpc.so_reuseport", 0),
         ]
         self._gate = DrainGate(work_methods)
-        self.server = grpc.aio.server(options=options, interceptors=[self._gate])
+        interceptors: list[grpc.aio.ServerInterceptor] = [security.gate] if security.gate else []
+        self.server = grpc.aio.server(options=options, interceptors=[*interceptors, self._gate])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = list(service_names)
-        reflection.enable_server_reflection(
-            [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
-        )
+        if security.reflection:
+            reflection.enable_server_reflection(
+                [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+            )
         self.host = advertise_host or host
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if security.credentials is None:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        else:
+            self.port = self.server.add_secure_port(f"{host}:{port}", security.credentials)
         if self.port == 0:
             raise OSError(f"could not bind gRPC on {host}:{port}")
 

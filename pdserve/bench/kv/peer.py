@@ -35,7 +35,10 @@ from pdserve.kv.channel import DECODE_RANK, PairChannel, transfer_device
 from pdserve.kv.rendezvous import connect_store
 from pdserve.kv.shared_memory import ArenaReader, host_id
 from pdserve.kv.transports import NETWORK, SAME_HOST
+from pdserve.rpc.channel_security import INTERNAL_TOKEN_KEY, ChannelSecurity
+from pdserve.rpc.metadata_gate import MetadataGate
 from pdserve.rpc.server import event_loop_factory
+from pdserve.rpc.service_security import INTERNAL_REFUSAL
 from pdserve.v1 import kv_pb2
 
 FINGERPRINT = "pdserve-bench-kv"
@@ -63,10 +66,11 @@ def digest(tensors: Sequence[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def run_peer(config: BenchKvConfig, rendezvous: str) -> None:
+def run_peer(config: BenchKvConfig, rendezvous: str, token: str) -> None:
+    """The decode side; ``token``: the run's internal token (its calls carry it, its server wants it)."""
     torch.set_num_threads(config.threads)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # the services' event loop
-        runner.run(_serve(config, rendezvous))
+        runner.run(_serve(config, rendezvous, token))
 
 
 def transfer_backend(backend: str) -> str:
@@ -74,7 +78,7 @@ def transfer_backend(backend: str) -> str:
     return backend if backend in NETWORK else "gloo"
 
 
-async def _serve(config: BenchKvConfig, rendezvous: str) -> None:
+async def _serve(config: BenchKvConfig, rendezvous: str, token: str) -> None:
     backend = config.backend_name
     device = torch.device(config.receiver_device)
     timeout = timedelta(seconds=config.timeout_s)
@@ -94,8 +98,9 @@ async def _serve(config: BenchKvConfig, rendezvous: str) -> None:
         DecodeMetrics(CollectorRegistry()),
         place=cuda_ipc.place_of(device, host_id(shm_dir) if backend in SAME_HOST else ""),
         shm_dir=str(shm_dir),
+        security=ChannelSecurity(((INTERNAL_TOKEN_KEY, token),)),
     )
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=[MetadataGate(INTERNAL_TOKEN_KEY, token, INTERNAL_REFUSAL)])
     handler = grpc.unary_unary_rpc_method_handler(
         _Handoff(puller, Clock(device)).handle,
         request_deserializer=kv_pb2.KvHandle.FromString,

@@ -33,6 +33,7 @@ from pdserve.bench.kv.peer import (
     store_set,
     transfer_backend,
 )
+from pdserve.config.security import new_token
 from pdserve.kv import cuda_ipc
 from pdserve.kv.channel import PREFILL_RANK, PairChannel, transfer_device
 from pdserve.kv.handle import HandleIssuer
@@ -40,6 +41,9 @@ from pdserve.kv.layout import pack, unpack
 from pdserve.kv.rendezvous import host_store
 from pdserve.kv.shared_memory import InstanceLock, SharedArena, host_id, is_alive
 from pdserve.kv.transports import NETWORK, SAME_HOST, SHM
+from pdserve.rpc.channel_security import INTERNAL_TOKEN_KEY, ChannelSecurity
+from pdserve.rpc.metadata_gate import MetadataGate
+from pdserve.rpc.service_security import INTERNAL_REFUSAL
 from pdserve.v1 import kv_pb2, prefill_pb2_grpc
 from prefill_service.kv_lender import KvLender
 from prefill_service.kv_registry import KvRegistry
@@ -68,7 +72,10 @@ async def run(config: BenchKvConfig, emit: Callable[[dict[str, Any]], None]) -> 
     space = KvSpace(backend, place, device, arena)
     lender = KvLender(partial(is_alive, shm_dir))
     sender = KvSender(instance_id, transfer_backend(backend), device, config.host, timeout, metrics)
-    server = grpc.aio.server()
+    # Like a prefill, its Prefill service takes only calls with the run's internal token.
+    token = new_token()
+    security = ChannelSecurity(((INTERNAL_TOKEN_KEY, token),))
+    server = grpc.aio.server(interceptors=[MetadataGate(INTERNAL_TOKEN_KEY, token, INTERNAL_REFUSAL)])
     servicer = KvHandoffServicer(registry, sender, metrics, lender)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{config.host}:0")
@@ -81,13 +88,13 @@ async def run(config: BenchKvConfig, emit: Callable[[dict[str, Any]], None]) -> 
         place=place,
     )
     peer = multiprocessing.get_context("spawn").Process(
-        target=run_peer, args=(config, rendezvous), name="bench-kv-decode", daemon=True
+        target=run_peer, args=(config, rendezvous, token), name="bench-kv-decode", daemon=True
     )
     peer.start()
     raw = None
     if backend in NETWORK:
         raw = PairChannel(store, RAW_PREFIX, PREFILL_RANK, backend, device, config.host, timeout)
-    peer_channel = grpc.aio.insecure_channel((await store_get(store, "peer/address")).decode())
+    peer_channel = security.aio_channel((await store_get(store, "peer/address")).decode())
     handoff = peer_channel.unary_unary(
         HANDOFF_METHOD, request_serializer=kv_pb2.KvHandle.SerializeToString, response_deserializer=json.loads
     )
