@@ -1,5 +1,6 @@
 """CUDA paths: the engines on a GPU, KV packing on the device, KV read in place over CUDA IPC on
-one GPU, NCCL pairs and their failures on two. Skipped without CUDA.
+one GPU (and streams continued exactly when a decode of that GPU dies), NCCL pairs and their
+failures on two. Skipped without CUDA.
 
 Run them with `scripts/gpu_check.sh` on a machine with a GPU.
 """
@@ -7,6 +8,7 @@ Run them with `scripts/gpu_check.sh` on a machine with a GPU.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +23,7 @@ from pdserve.kv.layout import pack, unpack
 from pdserve.kv.rendezvous import connect_store, host_store, pair_prefix
 from pdserve.model.engine_model import load_engine_model
 from tests.conftest import PRESETS, assert_no_leaks
-from tests.grpc_client import generate_many, make_request
+from tests.grpc_client import Stream, generate_many, make_request
 from tests.stack import Stack, free_port, scrape
 from tests.test_equivalence import reference_tokens
 
@@ -48,8 +50,13 @@ def test_kv_pack_on_device_round_trips(model_name: str, cache_dir: Path) -> None
         assert torch.equal(vd, v[1, :, 2:9])
 
 
-@pytest.mark.parametrize("transport", ["cuda-ipc", "gloo", "cpu-decode"])
-@pytest.mark.parametrize("model_name", PRESETS)
+GPU_PRESETS = (*PRESETS, "tiny-deepseek-moe")
+STACK_CASES = [(m, "cuda-ipc") for m in GPU_PRESETS] + [
+    (m, t) for m in PRESETS for t in ("gloo", "cpu-decode")
+]
+
+
+@pytest.mark.parametrize(("model_name", "transport"), STACK_CASES)
 def test_stack_on_cuda_matches_generate(
     model_name: str, transport: str, cache_dir: Path, tmp_path: Path
 ) -> None:
@@ -85,6 +92,66 @@ def test_stack_on_cuda_matches_generate(
         used = "gloo" if transport == "cpu-decode" else transport
         pulls = scrape(stack.decodes[0].metrics)
         assert pulls[f"pdserve_kv_transport_pulls_total{{transport={used}}}"] == len(prompts)
+        assert_no_leaks(stack)
+    finally:
+        stack.stop()
+
+
+MIGRATED_STREAMS, MIGRATED_TOKENS = 8, 300
+
+
+def test_a_decode_killed_mid_stream_on_cuda_has_its_streams_continued_exactly(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """A prefill and two decodes on one GPU, the KV over CUDA IPC, float32. Once every stream has
+    tokens, the decode running the most of them is killed -9: the gateway continues each of its
+    streams on the other decode (a prefill of the prompt and the tokens already delivered, resumed
+    at the same step), so every stream completes, token for token equal to model.generate, and the
+    prefill and the surviving decode hold nothing afterwards."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.model.source import resolve_model_dir
+
+    model_name = "tiny-llama"
+    args = ["--device", "cuda:0", "--dtype", "float32", "--kv-backend", "cuda-ipc"]
+    stack = Stack(model_name, cache_dir, tmp_path, num_decode=2, prefill_args=args, decode_args=args).start()
+    try:
+        prompts = [
+            torch.randint(3, 200, (4 + 9 * i,), generator=torch.Generator().manual_seed(i)).tolist()
+            for i in range(MIGRATED_STREAMS)
+        ]
+        requests = [
+            make_request(prompt_token_ids=p, max_tokens=MIGRATED_TOKENS, temperature=0.0, ignore_eos=True)
+            for p in prompts
+        ]
+
+        async def scenario() -> tuple[list[Stream], int, float]:
+            streams = [Stream(stack.address, r, timeout_s=300) for r in requests]
+            deadline = time.monotonic() + 60
+            while not all(len(s.tokens) >= 2 for s in streams):
+                assert time.monotonic() < deadline, "the streams did not start"
+                assert not any(s.task.done() for s in streams), "a stream ended before the kill"
+                await asyncio.sleep(0.005)
+            running = [scrape(d.metrics)["pdserve_decode_running"] for d in stack.decodes]
+            victim = 0 if running[0] >= running[1] else 1
+            stack.decodes[victim].signal(signal.SIGKILL)
+            await asyncio.wait_for(asyncio.gather(*(s.task for s in streams)), 300)
+            return streams, victim, running[victim]
+
+        streams, victim, moved = asyncio.run(scenario())
+        assert moved > 0, "the killed decode ran no stream: nothing was migrated"
+        model = (
+            AutoModelForCausalLM.from_pretrained(resolve_model_dir(model_name, cache_dir)).to("cuda:0").eval()
+        )
+        for prompt, stream in zip(prompts, streams, strict=True):
+            assert stream.error is None, f"a stream failed: {stream.error}"
+            ids = torch.tensor([prompt], device="cuda:0")
+            ref = model.generate(
+                ids, max_new_tokens=MIGRATED_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+            assert stream.tokens == ref[0, len(prompt) :].tolist()
+        survivor = stack.decodes[1 - victim]
+        stack.decodes = [survivor]  # the leak check reads the services still running
         assert_no_leaks(stack)
     finally:
         stack.stop()
