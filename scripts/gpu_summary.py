@@ -30,6 +30,7 @@ TWO_GPUS = (
     "tests.test_gpu::test_an_nccl_send_nobody_receives_fails_in_bound_and_the_next_generation_works",
     "tests.test_gpu::test_nccl_pair_moves_device_buffers_in_order",
     "tests.test_gpu::test_full_stack_over_nccl",
+    "tests.test_gpu::test_a_decode_killed_during_an_nccl_pull_fails_that_pull_only_and_the_prefill_serves_on",
     "tests.test_gpu::test_ep_prefill_group_on_two_gpus",
     "tests.test_kv_transport::test_nccl_pair_moves_cuda_buffers",
     "tests.test_deepep_gpu::test_all_to_all_in_float32_on_two_gpus_is_exact_and_repeats",

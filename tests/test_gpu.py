@@ -22,9 +22,11 @@ from pdserve.kv.channel import PairChannel, TransferError
 from pdserve.kv.layout import pack, unpack
 from pdserve.kv.rendezvous import connect_store, host_store, pair_prefix
 from pdserve.model.engine_model import load_engine_model
+from pdserve.v1 import prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from tests.conftest import PRESETS, assert_no_leaks
 from tests.grpc_client import Stream, generate_many, make_request
-from tests.stack import Stack, free_port, scrape
+from tests.kv_peer import Peer
+from tests.stack import Stack, free_port, scrape, wait_for
 from tests.test_equivalence import reference_tokens
 
 pytestmark = [
@@ -236,6 +238,69 @@ def test_full_stack_over_nccl(cache_dir: Path, tmp_path: Path, reference_models:
             assert result.token_ids == reference_tokens(model, prompt, 16)
         assert scrape(stack.decodes[0].metrics)["pdserve_kv_transport_pulls_total{transport=nccl}"] == 2
         assert scrape(stack.prefills[0].metrics)["pdserve_kv_pairs"] == 1
+        assert_no_leaks(stack)
+    finally:
+        stack.stop()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL stack needs two GPUs")
+def test_a_decode_killed_during_an_nccl_pull_fails_that_pull_only_and_the_prefill_serves_on(
+    cache_dir: Path, tmp_path: Path, reference_models: Any
+) -> None:
+    """A decode on cuda:1 pulls a KV from the prefill on cuda:0 over NCCL and is killed -9 before
+    its receive: the prefill's send fails within the transfer timeout (NCCL's watchdog must not
+    take the process down), its pair is torn down, and the same prefill then serves the real
+    decode over a pair of its own, tokens equal to the plain model's, nothing left behind."""
+    import grpc
+
+    timeout_s = 5.0
+    args = ["--dtype", "float32", "--kv-backend", "nccl", "--transfer-timeout-s", str(timeout_s)]
+    stack = Stack(
+        "tiny-llama",
+        cache_dir,
+        tmp_path,
+        prefill_args=["--device", "cuda:0", *args],
+        decode_args=["--device", "cuda:1", *args],
+    ).start()
+    prefill = stack.prefills[0]
+    try:
+        prompt = list(range(3, 40))
+
+        async def prefill_call() -> prefill_pb2.PrefillResponse:
+            async with grpc.aio.insecure_channel(prefill.grpc) as channel:
+                return await prefill_pb2_grpc.PrefillStub(channel).Prefill(
+                    prefill_pb2.PrefillRequest(
+                        request_id="t",
+                        prompt_token_ids=prompt,
+                        sampling=sampling_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                    )
+                )
+
+        handle_hex = asyncio.run(prefill_call()).kv_handle.SerializeToString().hex()
+        before = scrape(prefill.metrics)
+        victim = Peer("decode", "nccl", "cuda:1")
+        try:
+            assert victim.ask("pull", "decode-a", handle_hex, "1")["ok"]
+            assert victim.ask("connect", "decode-a", handle_hex, "1") == {"ok": True}
+            killed = time.monotonic()
+            victim.kill()
+            assert wait_for(
+                lambda: scrape(prefill.metrics)["pdserve_kv_sends_in_flight"] == 0, timeout_s + 30
+            )
+            assert time.monotonic() - killed < timeout_s + 30, "the send failed past its bound"
+        finally:
+            victim.kill()
+        assert prefill.popen is not None and prefill.popen.poll() is None, "the prefill process died"
+        after = scrape(prefill.metrics)
+        assert after["pdserve_kv_pull_failures_total"] == before["pdserve_kv_pull_failures_total"] + 1
+        assert after["pdserve_kv_pairs"] == before["pdserve_kv_pairs"], "the failed pair is torn down"
+        model, _ = reference_models("tiny-llama")
+        prompts = [[5, 6, 7], prompt]
+        requests = [
+            make_request(prompt_token_ids=p, max_tokens=8, temperature=0.0, ignore_eos=True) for p in prompts
+        ]
+        for p, result in zip(prompts, asyncio.run(generate_many(stack.address, requests)), strict=True):
+            assert result.token_ids == reference_tokens(model, p, 8)
         assert_no_leaks(stack)
     finally:
         stack.stop()
