@@ -26,6 +26,8 @@ KEYS = {
     "handoff_ms",
     "hop_ms",
     "intact",
+    "peer_memcpy_gbps",
+    "transfer_to_peer_memcpy",
 }
 
 
@@ -55,7 +57,15 @@ def test_bench_kv_moves_every_size_intact_and_reports_json(backend: str) -> None
         assert result.keys() >= KEYS
         assert result["bytes"] == layout.num_bytes(result["tokens"])
         assert result["intact"] is True, "the bytes that arrived differ from the bytes sent"
-        for key in ("transfer_gbps", "memcpy_gbps", "control_ms", "data_ms", "hop_ms"):
+        for key in (
+            "transfer_gbps",
+            "memcpy_gbps",
+            "peer_memcpy_gbps",
+            "transfer_to_peer_memcpy",
+            "control_ms",
+            "data_ms",
+            "hop_ms",
+        ):
             assert result[key] > 0, key
         assert result["backend"] == backend
 
