@@ -1,6 +1,7 @@
 """Scripted peers of the KV handoff for failure tests: real PairChannel and gRPC, run step by step.
 
-Run as ``python -m tests.kv_peer decode`` or ``python -m tests.kv_peer prefill``. The peer reads
+Run as ``python -m tests.kv_peer decode [BACKEND DEVICE]`` (default ``gloo cpu``; ``nccl cuda:1``
+plays a decode on a GPU) or ``python -m tests.kv_peer prefill``. The peer reads
 one command per line on stdin and answers one JSON line on stdout per command, so a test can hold
 it at an exact point of a transfer and then SIGKILL or SIGSTOP it there.
 
@@ -83,7 +84,7 @@ def _pair_secret(instance: str) -> bytes:
     return hashlib.sha256(instance.encode()).digest()
 
 
-def run_decode() -> None:
+def run_decode(backend: str = "gloo", device: torch.device = CPU) -> None:
     channels: dict[tuple[str, int], PairChannel] = {}
     stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
     locks: dict[str, InstanceLock] = {}
@@ -106,7 +107,7 @@ def run_decode() -> None:
         if key not in channels:
             prefix = pair_prefix(handle.prefill_instance_id, instance, generation)
             store = RelayStore(stub, instance, secret, generation, TIMEOUT)
-            channels[key] = PairChannel(store, prefix, DECODE_RANK, "gloo", CPU, HOST, TIMEOUT)
+            channels[key] = PairChannel(store, prefix, DECODE_RANK, backend, device, HOST, TIMEOUT)
         channel = channels[key]
         if command == "pull":
             request = prefill_pb2.PullKvRequest(
@@ -127,10 +128,10 @@ def run_decode() -> None:
             channel.connect().result()
             _say(ok=True)
         elif command == "recv":
-            buf = torch.empty(handle.num_bytes, dtype=torch.uint8)
+            buf = torch.empty(handle.num_bytes, dtype=torch.uint8, device=channel.device)
             channel.recv(buf).result()
             with open(args[3], "wb") as out:
-                out.write(buf.numpy().tobytes())
+                out.write(buf.cpu().numpy().tobytes())
             _say(ok=True)
     for channel in channels.values():
         channel.close()
@@ -239,6 +240,7 @@ class Peer:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "decode":
-        run_decode()
+        backend = sys.argv[2] if len(sys.argv) > 2 else "gloo"
+        run_decode(backend, torch.device(sys.argv[3] if len(sys.argv) > 3 else "cpu"))
     else:
         run_prefill(int(sys.argv[2]))

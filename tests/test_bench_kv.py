@@ -26,6 +26,8 @@ KEYS = {
     "handoff_ms",
     "hop_ms",
     "intact",
+    "peer_memcpy_gbps",
+    "transfer_to_peer_memcpy",
 }
 
 
@@ -55,7 +57,15 @@ def test_bench_kv_moves_every_size_intact_and_reports_json(backend: str) -> None
         assert result.keys() >= KEYS
         assert result["bytes"] == layout.num_bytes(result["tokens"])
         assert result["intact"] is True, "the bytes that arrived differ from the bytes sent"
-        for key in ("transfer_gbps", "memcpy_gbps", "control_ms", "data_ms", "hop_ms"):
+        for key in (
+            "transfer_gbps",
+            "memcpy_gbps",
+            "peer_memcpy_gbps",
+            "transfer_to_peer_memcpy",
+            "control_ms",
+            "data_ms",
+            "hop_ms",
+        ):
             assert result[key] > 0, key
         assert result["backend"] == backend
 
@@ -72,3 +82,18 @@ def test_bench_kv_prints_a_table_and_refuses_bad_flags() -> None:
     refused = _bench("--tokens", "128,0")
     assert refused.returncode == 2
     assert "tokens must be positive integers, got '0'" in refused.stderr
+
+
+def test_bench_kv_names_each_gpu_once_and_never_pairs_nccl_on_one_gpu() -> None:
+    from pdserve.bench.kv.config import BenchKvConfig
+
+    one_gpu = BenchKvConfig(device="cuda", peer_device="cuda:0")
+    assert (one_gpu.device, one_gpu.receiver_device) == ("cuda:0", "cuda:0")
+    assert one_gpu.backend_name == "cuda-ipc", "auto on one GPU reads the KV in place"
+    assert BenchKvConfig(device="cuda:1", peer_device="cuda").backend_name == "nccl"
+    assert BenchKvConfig(device="cuda", backend="nccl", peer_device="cuda:1").receiver_device == "cuda:1"
+    for device, peer in (("cuda:0", ""), ("cuda", "cuda:0"), ("cuda:2", "cuda:2")):
+        with pytest.raises(ValueError, match="NCCL refuses two ranks on one GPU"):
+            BenchKvConfig(device=device, peer_device=peer, backend="nccl")
+    with pytest.raises(ValueError, match="needs CUDA devices on both sides"):
+        BenchKvConfig(device="cuda:0", peer_device="cpu", backend="cuda-ipc")

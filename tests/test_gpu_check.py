@@ -1,56 +1,134 @@
-"""The GPU check's own pieces that run anywhere: the script parses, and its summary reads pytest's
-report and the benchmark's lines into one verdict."""
+"""The GPU check's own pieces that run anywhere: the script parses, keeps a CPU .venv as it is, every
+test it requires exists, and its summary reads pytest's report and the benchmark's lines into one
+verdict that fails on any required test skipped or missing."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tests.stack import REPO_ROOT
 
-JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
-<testcase classname="tests.test_gpu" name="test_a"/>
-<testcase classname="tests.test_gpu" name="test_b"><skipped message="two GPUs"/></testcase>
-{failed}
-</testsuite></testsuites>"""
+SCRIPT = REPO_ROOT / "scripts/gpu_check.sh"
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+import gpu_summary  # noqa: E402
+
+REQUIRED = gpu_summary.ONE_GPU + gpu_summary.TWO_GPUS + gpu_summary.DEEPEP
 
 
-def _summary(tmp_path: Path, failed: str, speedup: float) -> tuple[int, dict[str, object]]:
-    (tmp_path / "junit.xml").write_text(JUNIT.format(failed=failed))
+def _case(name: str, outcome: str = "passed", params: str = "") -> str:
+    classname, _, test = name.partition("::")
+    child = {"passed": "", "skipped": '<skipped message="s"/>', "failed": '<failure message="x"/>'}[outcome]
+    return f'<testcase classname="{classname}" name="{test}{params}">{child}</testcase>'
+
+
+def _summary(
+    tmp_path: Path, cases: list[str], speedup: float, *flags: str, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, dict[str, Any]]:
+    """The summary of a pytest report of ``cases`` and a benchmark reaching ``speedup`` at batch 64."""
+    (tmp_path / "junit.xml").write_text(
+        '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">'
+        + "".join(cases)
+        + "</testsuite></testsuites>"
+    )
     rows = [{"batch": 1, "speedup": 1.2}, {"batch": 64, "speedup": speedup}]
     (tmp_path / "bench_moe_decode.jsonl").write_text(
         "noise\n" + "\n".join(json.dumps(r) for r in rows) + "\n"
     )
+    argv = sys.argv
+    sys.argv = ["gpu_summary.py", str(tmp_path), "--seconds", "12", *flags]
+    try:
+        code = gpu_summary.main()
+    finally:
+        sys.argv = argv
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_the_script_parses_and_never_upgrades_the_torch_of_dot_venv() -> None:
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], check=False).returncode == 0
+    text = SCRIPT.read_text()
+    assert not re.search(r"\.venv/bin/python -m pip install", text), "a CPU torch in .venv stays as it is"
+    assert "python3 -m venv .venv-gpu" in text and "timeout -s INT" in text
+    assert ".venv-gpu/" in (REPO_ROOT / ".gitignore").read_text().split()
+
+
+def test_every_test_the_check_requires_exists() -> None:
+    files = sorted({name.partition("::")[0].replace(".", "/") + ".py" for name in REQUIRED})
     done = subprocess.run(
-        [sys.executable, "scripts/gpu_summary.py", str(tmp_path), "--seconds", "12"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "gpu",
+            *files,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    collected = {
+        line.split("[")[0].replace("/", ".").replace(".py::", "::") for line in done.stdout.splitlines()
+    }
+    assert set(REQUIRED) <= collected, sorted(set(REQUIRED) - collected)
+
+
+def test_the_summary_passes_only_when_every_required_test_passed_and_the_decode_is_fast_enough(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def run(cases: list[str], speedup: float, *flags: str) -> tuple[int, dict[str, Any]]:
+        return _summary(tmp_path, cases, speedup, *flags, capsys=capsys)
+
+    one_gpu = [_case(name, params="[a]") for name in gpu_summary.ONE_GPU]
+    two_gpus = [_case(name, "skipped") for name in gpu_summary.TWO_GPUS + gpu_summary.DEEPEP]
+    code, summary = run(one_gpu + two_gpus, 3.4, "--gpus", "1")
+    assert code == 0 and summary["ok"] is True
+    tests = summary["tests"]
+    assert isinstance(tests, dict)
+    assert tests["passed"] == len(one_gpu) and tests["failed"] == [] and tests["unmet"] == []
+    assert set(tests["required"]) == set(gpu_summary.ONE_GPU)
+    assert summary["decode_speedup_at_largest_batch"] == 3.4
+    code, summary = run(one_gpu + two_gpus, 2.9, "--gpus", "1")
+    assert code == 1 and summary["ok"] is False
+    # Two GPUs: the tests of two GPUs skipped fail the check; DeepEP's only when deep_ep imports.
+    code, summary = run(one_gpu + two_gpus, 3.4, "--gpus", "2", "--deepep", "0")
+    assert code == 1 and summary["tests"]["unmet"] == sorted(gpu_summary.TWO_GPUS)
+    passed = one_gpu + [_case(name) for name in gpu_summary.TWO_GPUS]
+    assert run(passed, 3.4, "--gpus", "2", "--deepep", "0")[0] == 0
+    code, summary = run(passed, 3.4, "--gpus", "2", "--deepep", "1")
+    assert code == 1 and summary["tests"]["required"][gpu_summary.DEEPEP[0]] == "missing"
+    # One case of a parametrized test failing, or a required test missing, fails it.
+    failed = [*one_gpu, _case(gpu_summary.ONE_GPU[1], "failed", "[b]")]
+    code, summary = run(failed, 3.4, "--gpus", "1")
+    assert code == 1 and summary["tests"]["required"][gpu_summary.ONE_GPU[1]] == "failed"
+    code, summary = run(one_gpu[1:], 3.4, "--gpus", "1")
+    assert code == 1 and summary["tests"]["unmet"] == [gpu_summary.ONE_GPU[0]]
+
+
+def test_the_summary_runs_as_the_check_runs_it(tmp_path: Path) -> None:
+    (tmp_path / "junit.xml").write_text(
+        '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">'
+        + "".join(_case(name) for name in gpu_summary.ONE_GPU)
+        + "</testsuite></testsuites>"
+    )
+    (tmp_path / "bench_moe_decode.jsonl").write_text(json.dumps({"batch": 64, "speedup": 3.5}) + "\n")
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu_summary.py", str(tmp_path), "--gpus", "1", "--min-ratio", "3.0"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    return done.returncode, json.loads(done.stdout)
-
-
-def test_the_script_parses() -> None:
-    assert (
-        subprocess.run(["bash", "-n", str(REPO_ROOT / "scripts/gpu_check.sh")], check=False).returncode == 0
-    )
-
-
-def test_the_summary_passes_only_when_every_test_passed_and_the_decode_is_fast_enough(tmp_path: Path) -> None:
-    code, summary = _summary(tmp_path, "", 3.4)
-    assert code == 0 and summary["ok"] is True
-    assert summary["tests"] == {
-        "passed": 1,
-        "skipped": 1,
-        "failed": [],
-        "outcomes": {"tests.test_gpu::test_a": "passed", "tests.test_gpu::test_b": "skipped"},
-    }
-    assert summary["decode_speedup_at_largest_batch"] == 3.4
-    code, summary = _summary(tmp_path, "", 2.9)
-    assert code == 1 and summary["ok"] is False
-    failed = '<testcase classname="tests.test_gpu" name="test_c"><failure message="x"/></testcase>'
-    code, summary = _summary(tmp_path, failed, 3.4)
-    assert code == 1 and summary["tests"]["failed"] == ["tests.test_gpu::test_c"]  # type: ignore[index]
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["ok"] is True

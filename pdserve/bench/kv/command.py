@@ -7,6 +7,10 @@ layout, then measures:
 - ``memcpy_gbps``: ``copy_`` of the same bytes within that process, into a warm buffer;
 - ``transfer_gbps``: the bytes over a PairChannel between the two processes, into a warm buffer
   (from the send being posted, the receive already waiting, to the last byte in);
+- ``peer_memcpy_gbps`` and ``transfer_to_peer_memcpy``: the decode side copies as many bytes
+  within its own process right before each transfer, and the ratio is taken run by run (median of
+  the per-run ratios), so that a machine whose load changes during a run compares the transfer
+  with a copy made under the same load (``transfer_to_memcpy`` compares medians of two phases);
 - the handoff through the real path: a ``KvHandoffServicer`` (PullKv over gRPC, registry, sender)
   on one side and a ``KvPuller`` on the other, into a fresh buffer as a decode does. The handle
   travels to the decode side in a gRPC call, as the gateway's Decode call carries it: ``hop_ms``
@@ -37,6 +41,7 @@ FIELDS = (
     ("memcpy GB/s", "memcpy_gbps", "{:.2f}"),
     ("transfer GB/s", "transfer_gbps", "{:.2f}"),
     ("ratio", "transfer_to_memcpy", "{:.2f}"),
+    ("paired ratio", "transfer_to_peer_memcpy", "{:.2f}"),
     ("hop ms", "hop_ms", "{:.3f}"),
     ("control ms", "control_ms", "{:.3f}"),
     ("data ms", "data_ms", "{:.2f}"),

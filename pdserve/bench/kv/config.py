@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.config import BACKENDS
-from pdserve.config.checks import check_at_least, check_choice, check_device, check_positive
+from pdserve.config.checks import check_at_least, check_choice, check_device, check_positive, device_at
 
 if TYPE_CHECKING:
     import torch
@@ -57,11 +57,19 @@ class BenchKvConfig:
         check_device("device", self.device)
         if self.peer_device:
             check_device("peer_device", self.peer_device)
+        # One name per GPU (``cuda`` is ``cuda:0``), so both sides and every comparison agree.
+        object.__setattr__(self, "device", device_at(self.device))
+        object.__setattr__(self, "peer_device", device_at(self.peer_device))
         check_choice("backend", self.backend, BACKENDS)
         if self.backend_name in ("nccl", "cuda-ipc") and not (
             self.device.startswith("cuda") and self.receiver_device.startswith("cuda")
         ):
             raise ValueError(f"the {self.backend_name} backend needs CUDA devices on both sides")
+        if self.backend_name == "nccl" and self.receiver_device == self.device:
+            raise ValueError(
+                f"NCCL refuses two ranks on one GPU: give --peer-device another GPU than {self.device}, "
+                "or measure cuda-ipc"
+            )
         if self.backend_name == "shm" and self.device != "cpu":
             raise ValueError("the shm backend moves host memory: --device must be cpu")
         check_positive("timeout_s", self.timeout_s)

@@ -160,14 +160,21 @@ class _Handoff:
 async def _receive_raw(
     config: BenchKvConfig, store: Any, raw: PairChannel | None, shm_dir: Path, num_tokens: int, clock: Clock
 ) -> None:
-    """One size into a warm buffer, each run timed: received over the raw pair, or copied out of the
-    prefill's memory where it lies; then the digest of what arrived."""
+    """One size into a warm buffer, each run timed and preceded by a timed local copy of as many
+    bytes: received over the raw pair, or copied out of the prefill's memory where it lies; then
+    the digest of what arrived."""
     size = json.loads(await store_get(store, f"size/{num_tokens}"))
     device = torch.device(config.receiver_device)
     target = transfer_device(transfer_backend(config.backend_name), device) if raw is not None else device
     warm = torch.empty(size["bytes"], dtype=torch.uint8, device=target)
     source = _lent_source(size, shm_dir, config) if raw is None else None
+    scratch = torch.empty_like(warm)
     for i in range(config.repeat + 1):
+        # The same bytes copied within this process right before each transfer: a memcpy taken
+        # under the load of that moment, which the transfer is compared with.
+        start = clock.now()
+        scratch.copy_(warm)
+        await store_set(store, f"raw/{num_tokens}/{i}/memcpy", str(clock.now() - start))
         if raw is not None:
             future: concurrent.futures.Future[None] = raw.recv(warm)
             await store_set(store, f"raw/{num_tokens}/{i}/posted", "1")

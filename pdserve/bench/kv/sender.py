@@ -145,7 +145,7 @@ async def _measure(run: _Sizes, num_tokens: int) -> dict[str, Any]:
     memcpy = _median(_memcpy_s(run, buf))
     sent_raw = digest([buf])
     sent_kv = digest([t for kv in unpack(buf, layout, num_tokens) for t in kv])
-    transfer_s, received_raw = await _raw_s(run, num_tokens, buf)
+    transfer_s, peer_memcpy_s, received_raw = await _raw_s(run, num_tokens, buf)
     hop_s, control_s, data_s, received_kv = await _handoff_s(run, num_tokens, buf)
     transfer, hop, control, data = map(_median, (transfer_s, hop_s, control_s, data_s))
     num_bytes = buf.numel()
@@ -156,6 +156,8 @@ async def _measure(run: _Sizes, num_tokens: int) -> dict[str, Any]:
         "memcpy_gbps": num_bytes / memcpy / 1e9,
         "transfer_gbps": num_bytes / transfer / 1e9,
         "transfer_to_memcpy": memcpy / transfer,
+        "peer_memcpy_gbps": num_bytes / _median(peer_memcpy_s) / 1e9,
+        "transfer_to_peer_memcpy": _median([m / t for m, t in zip(peer_memcpy_s, transfer_s, strict=True)]),
         "pack_ms": pack_s * 1e3,
         "hop_ms": hop * 1e3,
         "control_ms": control * 1e3,
@@ -199,9 +201,10 @@ def _memcpy_s(run: _Sizes, buf: torch.Tensor) -> list[float]:
     return times
 
 
-async def _raw_s(run: _Sizes, num_tokens: int, buf: torch.Tensor) -> tuple[list[float], str]:
+async def _raw_s(run: _Sizes, num_tokens: int, buf: torch.Tensor) -> tuple[list[float], list[float], str]:
     """``buf`` into the decode's warm buffer over the transport: sent over the raw pair, or copied
-    out of the prefill's memory where it lies. Returns the times and the digest that arrived."""
+    out of the prefill's memory where it lies. Returns the times, the decode's local copy of as
+    many bytes timed right before each one, and the digest that arrived."""
     shared = run.space.allocate(buf.numel()) if run.raw is None else None
     where: dict[str, Any] = {"bytes": buf.numel()}
     if shared is not None:
@@ -211,9 +214,10 @@ async def _raw_s(run: _Sizes, num_tokens: int, buf: torch.Tensor) -> tuple[list[
         else:
             where["ipc"] = cuda_ipc.export(shared.tensor).SerializeToString().hex()
     await store_set(run.store, f"size/{num_tokens}", json.dumps(where))
-    times = []
+    times, memcpys = [], []
     for i in range(run.config.repeat + 1):
         await store_get(run.store, f"raw/{num_tokens}/{i}/posted")
+        memcpys.append(float(await store_get(run.store, f"raw/{num_tokens}/{i}/memcpy")))
         if run.raw is not None:
             start = run.clock.now()
             await asyncio.wrap_future(run.raw.send(buf))
@@ -223,7 +227,7 @@ async def _raw_s(run: _Sizes, num_tokens: int, buf: torch.Tensor) -> tuple[list[
     received = (await store_get(run.store, f"raw/{num_tokens}/digest")).decode()
     if shared is not None:
         shared.free()
-    return times, received
+    return times, memcpys, received
 
 
 async def _handoff_s(
