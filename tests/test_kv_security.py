@@ -15,6 +15,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import grpc
+import psutil
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -28,6 +29,7 @@ from pdserve.kv.handle import HandleIssuer
 from pdserve.kv.layout import KvLayout, pack
 from pdserve.kv.pair_secret import MAX_PAIR_GENERATION
 from pdserve.kv.pair_store import MAX_KEYS, MAX_VALUE_BYTES
+from pdserve.kv.rendezvous import connect_store, host_store
 from pdserve.rpc.errors import RpcError
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
 from prefill_service.kv_registry import KvRegistry
@@ -379,3 +381,19 @@ def handle_named(address: str) -> kv_pb2.KvHandle:
         pack([(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 3))] * 2, LAYOUT, 0, 0, 2, CPU), 2
     )
     return issuer.issue(entry)
+
+
+def test_a_hosted_store_listens_on_its_host_only() -> None:
+    """An expert-parallel group's store (and bench-kv's) binds the host it is given, not every
+    interface as torch's store server would on its own; it still serves its clients."""
+    timeout = timedelta(seconds=10)
+    store = host_store("127.0.0.1", 0, timeout)
+    listening = [
+        c.laddr
+        for c in psutil.Process().net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port
+    ]
+    assert [address.ip for address in listening] == ["127.0.0.1"], listening
+    client = connect_store(f"127.0.0.1:{store.port}", timeout)
+    client.set("key", "value")
+    assert store.get("key") == b"value"
