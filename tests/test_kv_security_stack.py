@@ -23,7 +23,6 @@ from typing import Any
 import grpc
 import psutil
 import pytest
-import torch
 
 from pdserve.kv.pair_secret import MAX_PAIR_GENERATION
 from pdserve.kv.shared_memory import LOCK_SUFFIX, PREFIX
@@ -31,6 +30,7 @@ from pdserve.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import expect_error, generate_many, make_request
 from tests.stack import ServiceProcess, Stack, free_port, internal_aio_channel, scrape, service_env, wait_for
+from tests.test_equivalence import reference_tokens
 
 MODEL = "tiny-llama"
 TRANSFER_TIMEOUT_S = 5.0
@@ -53,19 +53,6 @@ def stack(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield s
     finally:
         s.stop()
-
-
-def reference_tokens(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
-    input_ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=model.generation_config.pad_token_id or 0,
-        )
-    return [int(t) for t in out[0, len(prompt) :]]
 
 
 def decode_instance_id(decode: ServiceProcess) -> str:
