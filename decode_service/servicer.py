@@ -130,6 +130,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             params = sampling_from_proto(request.sampling)
             if not params.is_greedy and params.seed is None:
                 raise ValueError("sampling.seed must be set on decode requests that sample")
+            if params.n != 1:  # each choice of a request decodes as a request of its own
+                raise ValueError(f"sampling.n must be 1 on decode requests, got {params.n}")
             if not request.HasField("kv_handle"):
                 raise ValueError("kv_handle is required")
             if not request.timeout_s >= 0:  # also NaN

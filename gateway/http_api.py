@@ -39,9 +39,9 @@ from gateway.openai_errors import (
     model_not_found,
 )
 from gateway.openai_generation import (
+    RequestTotals,
     ResponseMeta,
     Responses,
-    Totals,
     chat_completion,
     chat_events,
     collect,
@@ -73,7 +73,7 @@ from pdserve.core.sampling import SamplingParams
 from pdserve.v1 import gateway_pb2
 
 EventsFn = Callable[[ResponseMeta, gateway_pb2.GenerateResponse, Responses, bool], AsyncGenerator[str, None]]
-BodyFn = Callable[[ResponseMeta, Totals], BaseModel]
+BodyFn = Callable[[ResponseMeta, RequestTotals], BaseModel]
 CLIENT_CLOSED = 499
 
 
@@ -179,6 +179,7 @@ class OpenAIApi:
         try:
             self._inputs.check_stop(stop_list(body.stop))
             self._inputs.check_stop_token_ids(len(body.stop_token_ids or ()))
+            self._inputs.check_n(body.n)
         except ValueError as exc:
             raise from_value_error(exc) from exc
 

@@ -31,6 +31,13 @@ class InputLimits:
     def check_sampling(self, sampling: sampling_pb2.SamplingParams) -> None:
         self.check_stop(sampling.stop)
         self.check_stop_token_ids(len(sampling.stop_token_ids))
+        if sampling.HasField("n"):
+            self.check_n(sampling.n)
+
+    def check_n(self, n: int) -> None:
+        bound = self.limits.max_n
+        if not 1 <= n <= bound:
+            raise ValueError(f"n must be in [1, {bound}] (choices of one request), got {n}")
 
     def check_request_id(self, request_id: str) -> None:
         bound = self.limits.max_request_id_bytes

@@ -36,7 +36,7 @@ RETRY_AFTER_S = 1  # a backend's RESOURCE_EXHAUSTED carries no wait of its own
 # The gateway names the field first: "sampling.top_p must ...", "prompt_token_ids[3] = ...".
 _FIELD = re.compile(r"^(?:sampling\.)?([a-z_]+)")
 _KNOWN_PARAMS = frozenset(
-    {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "prompt"}
+    {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "prompt", "n"}
 )
 
 

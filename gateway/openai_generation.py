@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from gateway.admission import Place
 from gateway.metrics import GatewayMetrics
+from gateway.openai_choices import Choices
 from gateway.openai_errors import as_openai_error
 from gateway.openai_models import (
     AssistantMessage,
@@ -127,34 +128,43 @@ async def _chain(first: gateway_pb2.GenerateResponse, rest: Responses) -> Respon
         yield response
 
 
-async def collect(responses: Responses) -> Totals:
-    """A whole request's text and counts (its error when it fails)."""
-    totals = Totals()
+RequestTotals = Choices[Totals]
+
+
+async def collect(responses: Responses) -> RequestTotals:
+    """A whole request's text and counts, by choice (its error when it fails)."""
+    totals = Choices(Totals)
     totals.add(await first_response(responses))
     async for response in responses:
         totals.add(response)
     return totals
 
 
-def completion(meta: ResponseMeta, totals: Totals) -> Completion:
+def completion(meta: ResponseMeta, totals: RequestTotals) -> Completion:
     return Completion(
         id=meta.id,
         created=meta.created,
         model=meta.model,
-        choices=[CompletionChoice(text=totals.text, finish_reason=totals.finish_reason or "stop")],
+        choices=[
+            CompletionChoice(index=index, text=choice.text, finish_reason=choice.finish_reason or "stop")
+            for index, choice in totals.by_index()
+        ],
         usage=totals.usage(),
     )
 
 
-def chat_completion(meta: ResponseMeta, totals: Totals) -> ChatCompletion:
+def chat_completion(meta: ResponseMeta, totals: RequestTotals) -> ChatCompletion:
     return ChatCompletion(
         id=meta.id,
         created=meta.created,
         model=meta.model,
         choices=[
             ChatChoice(
-                message=AssistantMessage(content=totals.text), finish_reason=totals.finish_reason or "stop"
+                index=index,
+                message=AssistantMessage(content=choice.text),
+                finish_reason=choice.finish_reason or "stop",
             )
+            for index, choice in totals.by_index()
         ],
         usage=totals.usage(),
     )
@@ -167,12 +177,12 @@ def sse(body: BaseModel) -> str:
 async def completion_events(
     meta: ResponseMeta, first: gateway_pb2.GenerateResponse, rest: Responses, include_usage: bool
 ) -> AsyncGenerator[str, None]:
-    totals = Totals()
+    totals = Choices(Totals)
     try:
         async for response in _chain(first, rest):
             reason = totals.add(response)
             if response.text or reason is not None:
-                choice = CompletionChoice(text=response.text, finish_reason=reason)
+                choice = CompletionChoice(index=response.index, text=response.text, finish_reason=reason)
                 yield sse(Completion(id=meta.id, created=meta.created, model=meta.model, choices=[choice]))
         if include_usage:
             yield sse(
@@ -190,19 +200,20 @@ async def completion_events(
 async def chat_events(
     meta: ResponseMeta, first: gateway_pb2.GenerateResponse, rest: Responses, include_usage: bool
 ) -> AsyncGenerator[str, None]:
-    def chunk(delta: Delta, reason: FinishReason | None = None) -> str:
-        choice = ChatChunkChoice(delta=delta, finish_reason=reason)
+    def chunk(index: int, delta: Delta, reason: FinishReason | None = None) -> str:
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=reason)
         return sse(ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice]))
 
-    totals = Totals()
+    totals = Choices(Totals)
     try:
-        yield chunk(Delta(role="assistant", content=""))
         async for response in _chain(first, rest):
+            if totals.is_new(response.index):  # a choice's first chunk gives the role
+                yield chunk(response.index, Delta(role="assistant", content=""))
             reason = totals.add(response)
             if response.text:
-                yield chunk(Delta(content=response.text))
+                yield chunk(response.index, Delta(content=response.text))
             if reason is not None:
-                yield chunk(Delta(), reason)
+                yield chunk(response.index, Delta(), reason)
         if include_usage:
             yield sse(
                 ChatCompletionChunk(

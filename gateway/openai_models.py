@@ -42,8 +42,6 @@ class SamplingFields(BaseModel):
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for each field set to something pdserve cannot do."""
         out: list[tuple[str, str]] = []
-        if self.n != 1:
-            out.append(("n", f"n must be 1 (one choice per request), got {self.n}"))
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value not in (None, 0):

@@ -41,6 +41,7 @@ def sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
         stop=stop,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
+        n=body.n,
     )
 
 

@@ -45,7 +45,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -53,6 +53,7 @@ import grpc
 
 from gateway.backend_health import BackendHealth
 from gateway.backends import Backend, BackendPool
+from gateway.choice_streams import choice_answers, choices_params, merged
 from gateway.decode_mux import DecodeFailure, DecodeMux, MuxedRequest
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_input import PromptInput
@@ -109,6 +110,7 @@ class _Parked:
     prefill: PrefillBackend
     handle: kv_pb2.KvHandle
     pulled: bool = False
+    let_go: bool = False
 
 
 @dataclass
@@ -181,11 +183,14 @@ class RequestFlow:
         backend call gets the time left as its timeout, and the request ends with DEADLINE_EXCEEDED
         once it passed."""
         timer = self._metrics.request.timer()
+        unfinished = params.n  # choices still going
         try:
             async for response in self._generate(request, params, timer, Deadline(deadline)):
                 timer.sent(len(response.token_ids))
                 if response.finish_reason:
-                    timer.finished(response.finish_reason)
+                    unfinished -= 1
+                    if not unfinished:
+                        timer.finished(response.finish_reason)
                 yield response
         except ValueError:
             timer.rejected()
@@ -214,13 +219,50 @@ class RequestFlow:
         )
         self._metrics.ttft_seconds.observe(time.perf_counter() - started)
         timer.prefilled(sent_at, first.queue_seconds, len(prompt_ids))
-        parked: _Parked | None = None
+        if params.n == 1:
+            runs, answers = [run], [first]
+        else:
+            runs = [
+                _Progress(
+                    request_id,
+                    list(prompt_ids),
+                    sampling_to_proto(choice),
+                    TextStream(self._tokenizer, choice.stop),
+                )
+                for choice in choices_params(params)
+            ]
+            answers = choice_answers(first, params.n)
+        parked = [_park(prefill, a.kv_handle) if a.HasField("kv_handle") else None for a in answers]
+        try:
+            streams = [
+                self._choice(r, a, p, timer, deadline) for r, a, p in zip(runs, answers, parked, strict=True)
+            ]
+            if len(streams) == 1:
+                async for response in streams[0]:
+                    yield response
+            else:
+                async for response in merged(streams):
+                    yield response
+        finally:
+            for p in parked:  # a choice that never started still holds its KV
+                if p is not None:
+                    self._let_go(p)
+
+    async def _choice(
+        self,
+        run: _Progress,
+        first: prefill_pb2.PrefillResponse,
+        parked: _Parked | None,
+        timer: RequestTimer,
+        deadline: Deadline,
+    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
+        """One choice's responses from its prefill's answer ``first`` (its KV ``parked``) on: its
+        first token, then decode, moving to another decode when one is lost."""
         sent: tuple[DecodeBackend, MuxedRequest] | None = None  # sent to a decode, not yet read
         failed_decodes: list[DecodeBackend] = []
         migrations = 0
         try:
             while True:  # one prefill's answer, then decode from its KV
-                parked = _park(prefill, first.kv_handle) if first.HasField("kv_handle") else None
                 step = len(run.delivered)  # the sampling step of the prefill's token
                 response, reason = run.relay([first.first_token_id], first.finish_reason or None)
                 if reason is None and parked is not None:
@@ -261,7 +303,7 @@ class RequestFlow:
                         ) from None
                     logger.warning(
                         "request %s: %s after %d tokens were delivered; continuing it on another decode",
-                        request_id,
+                        run.request_id,
                         failure,
                         len(run.delivered),
                     )
@@ -276,6 +318,7 @@ class RequestFlow:
                     prefill, first, _ = await self._prefill(
                         run.prefill_request(), timer, avoid, delivered=len(run.delivered), deadline=deadline
                     )
+                    parked = _park(prefill, first.kv_handle) if first.HasField("kv_handle") else None
         finally:
             if sent is not None:  # the client went away before decode was read
                 _end(*sent)
@@ -283,7 +326,11 @@ class RequestFlow:
                 self._let_go(parked)
 
     def _let_go(self, parked: _Parked) -> None:
-        """The request is done with ``parked``: released on its prefill unless a decode pulled it."""
+        """The request is done with ``parked``: released on its prefill unless a decode pulled it
+        (once: letting go again does nothing)."""
+        if parked.let_go:
+            return
+        parked.let_go = True
         if parked.pulled:
             parked.prefill.holds -= 1
         else:

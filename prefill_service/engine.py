@@ -10,7 +10,9 @@ Lifecycle of a request here:
    was lost), at step ``num_generated``, the finish rules counting those tokens;
 4. a request complete at that token (max_tokens=1, EOS, a stop token or stop string) keeps
    nothing; otherwise its prompt's KV is packed into one buffer of the prefill's KV space (its
-   shared-memory arena, or private memory), ready to be parked under a handle;
+   shared-memory arena, or private memory), ready to be parked under a handle. With ``n`` > 1
+   choices, each samples its own first token from that row (``prefill_service.first_choices``)
+   and the KV is packed once, unless every choice is complete at its first token;
 5. every request of the batch gets its result the moment that forward ends, with the time it
    waited in the queue (step 1 to 2).
 A request whose deadline passed while it waited is dropped before its forward (``DeadlineExpired``).
@@ -36,12 +38,12 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from pdserve.core.finish import first_token_reason
-from pdserve.core.sampling import SamplingParams, sample
+from pdserve.core.sampling import SamplingParams
 from pdserve.kv.layout import pack_into
 from pdserve.kv.transports import GLOO, Place
 from pdserve.model.engine_model import EngineModel
 from pdserve.model.warm_up import WarmUp
+from prefill_service.first_choices import FirstToken, continues, first_tokens
 from prefill_service.kv_space import KvSpace, ParkedBuffer
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class PrefillResult:
     forward_seconds: float
     batch_size: int
     queue_seconds: float = 0.0
+    choices: tuple[FirstToken, ...] = ()  # every choice's first token (the first is the fields above)
 
     @property
     def kv_buffer(self) -> torch.Tensor | None:
@@ -243,20 +246,19 @@ class PrefillEngine:
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         results = []
         for row, (row_params, step) in enumerate(zip(params, num_generated, strict=True)):
-            token = sample(logits[row], row_params, step=step)
-            reason = first_token_reason(token, row_params, m.limits.eos_token_ids, self._token_text, step)
+            choices = first_tokens(logits[row], row_params, step, m.limits.eos_token_ids, self._token_text)
+            token, reason = choices[0].token_id, choices[0].finish_reason
             buffer = None
-            if reason is None:
+            if continues(choices):
                 buffer = self._space.allocate(m.kv_layout.num_bytes(lengths[row]))
                 pack_into(buffer.tensor, layers, m.kv_layout, row, longest - lengths[row], lengths[row])
-            results.append(PrefillResult(token, reason, buffer, lengths[row], 0.0, len(prompts)))
+            results.append(
+                PrefillResult(token, reason, buffer, lengths[row], 0.0, len(prompts), choices=choices)
+            )
         if m.device.type == "cuda":
             torch.cuda.synchronize(m.device)
         elapsed = time.perf_counter() - start
-        return [
-            PrefillResult(r.first_token_id, r.finish_reason, r.kv, r.num_tokens, elapsed, r.batch_size)
-            for r in results
-        ]
+        return [dataclasses.replace(r, forward_seconds=elapsed) for r in results]
 
     def _token_text(self, token: int) -> str:
         text: str = self._m.tokenizer.decode([token], skip_special_tokens=True)

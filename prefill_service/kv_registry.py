@@ -3,7 +3,8 @@
 Lifecycle of a handle: parked (after the prefill forward) -> taken by a pull (then sent, or lent to
 a decode of the same host, and freed by the taker) | released by the gateway | expired when its
 lease ends unpulled (freed here). A handle leaves the registry exactly once, whichever comes first;
-later pulls get NOT_FOUND.
+later pulls get NOT_FOUND. The choices of one request (``n`` > 1) park one buffer under a handle
+each (``park_shared``, ``prefill_service.kv_shares``): freed when the last of them is.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from pdserve.kv.handle import new_handle_id
 from pdserve.kv.transports import GLOO
+from prefill_service.kv_shares import SharedFree
 from prefill_service.kv_space import ParkedBuffer
 
 
@@ -46,7 +48,22 @@ class KvRegistry:
     def park(self, buffer: torch.Tensor | ParkedBuffer, num_tokens: int) -> ParkedKv:
         """Parks a packed KV (a plain tensor is private memory moved over gloo)."""
         parked = buffer if isinstance(buffer, ParkedBuffer) else ParkedBuffer(buffer, (GLOO,))
-        entry = ParkedKv(
+        entry = self._entry(parked, num_tokens, parked.free)
+        with self._lock:
+            self._entries[entry.handle_id] = entry
+        return entry
+
+    def park_shared(self, buffer: ParkedBuffer, num_tokens: int, count: int) -> list[ParkedKv]:
+        """Parks one packed KV under ``count`` handles; its memory goes back when the last one is
+        freed (pulled and sent or given back, released, or expired)."""
+        shared = SharedFree(buffer.free, count)
+        entries = [self._entry(buffer, num_tokens, shared.share()) for _ in range(count)]
+        with self._lock:
+            self._entries.update((entry.handle_id, entry) for entry in entries)
+        return entries
+
+    def _entry(self, parked: ParkedBuffer, num_tokens: int, free: Callable[[], None]) -> ParkedKv:
+        return ParkedKv(
             handle_id=new_handle_id(),
             buffer=parked.tensor,
             num_tokens=num_tokens,
@@ -54,11 +71,8 @@ class KvRegistry:
             expires_at_unix=time.time() + self._lease_s,
             transports=parked.transports,
             arena_offset=parked.arena_offset,
-            free=parked.free,
+            free=free,
         )
-        with self._lock:
-            self._entries[entry.handle_id] = entry
-        return entry
 
     def take(self, handle_id: bytes, transport: str | None = None) -> ParkedKv | None:
         """Removes and returns a live handle for a pull over ``transport`` (None: any), or None when
@@ -97,5 +111,5 @@ class KvRegistry:
 
     @property
     def num_bytes_parked(self) -> int:
-        with self._lock:
-            return sum(e.num_bytes for e in self._entries.values())
+        with self._lock:  # a buffer shared by several handles counts once
+            return sum({id(e.buffer): e.num_bytes for e in self._entries.values()}.values())

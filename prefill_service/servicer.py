@@ -24,6 +24,7 @@ from pdserve.model.engine_model import EngineModel, ForwardUnavailable
 from pdserve.rpc.errors import RpcError, abort
 from pdserve.rpc.sampling_proto import sampling_from_proto
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
+from prefill_service.choice_handles import choices_response
 from prefill_service.engine import DeadlineExpired, PrefillEngine
 from prefill_service.kv_lender import KvLender
 from prefill_service.kv_registry import KvRegistry, ParkedKv
@@ -264,6 +265,8 @@ class PrefillServicer(KvHandoffServicer):
         self._metrics.forward_seconds.observe(result.forward_seconds)
         self._metrics.queue_seconds.observe(result.queue_seconds)
         self._metrics.batch_size.observe(result.batch_size)
+        if params.n > 1:
+            return choices_response(result, self._registry, self._issuer, self._metrics)
         if result.finish_reason is not None or result.kv is None:
             self._metrics.finished_at_first_token.labels(result.finish_reason or "").inc()
             return prefill_pb2.PrefillResponse(

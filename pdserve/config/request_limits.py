@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pdserve.config.checks import check_at_least
 
 MIB = 1024 * 1024
+MAX_CHOICES = 128  # the most choices the engines take (pdserve.core.sampling.MAX_CHOICES)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,10 @@ class RequestLimits:
     retry_after_s: int = field(
         default=1, metadata={"help": "the Retry-After (seconds) of a request refused for overload"}
     )
+    max_n: int = field(
+        default=16,
+        metadata={"help": f"most choices (n) of one request, at most {MAX_CHOICES}; each decodes on its own"},
+    )
     tokenizer_threads: int = field(
         default=2,
         metadata={"help": "threads that tokenize prompts and apply chat templates off the event loop"},
@@ -60,6 +65,9 @@ class RequestLimits:
             "max_in_flight",
             "retry_after_s",
             "tokenizer_threads",
+            "max_n",
         ):
             check_at_least(name, getattr(self, name), 1)
+        if self.max_n > MAX_CHOICES:
+            raise ValueError(f"max_n must be <= {MAX_CHOICES}, got {self.max_n}")
         check_at_least("max_body_bytes", self.max_body_bytes, 1024)

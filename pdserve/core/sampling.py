@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 _GOLDEN = 0x9E3779B97F4A7C15
+MAX_CHOICES = 128  # the most choices (``n``) of one request any service takes
 _MASK64 = (1 << 64) - 1
 
 
@@ -26,6 +27,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1  # choices of the request (``pdserve.core.choices``)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -42,6 +44,8 @@ class SamplingParams:
             raise ValueError("sampling.stop must not contain empty strings")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("sampling.stop_token_ids must be >= 0")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"sampling.n must be in [1, {MAX_CHOICES}], got {self.n}")
 
     @property
     def is_greedy(self) -> bool:

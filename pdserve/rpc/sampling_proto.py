@@ -19,6 +19,7 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        n=msg.n if msg.HasField("n") else _DEFAULTS.n,
     )
 
 
@@ -34,4 +35,6 @@ def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.n != 1:
+        msg.n = params.n
     return msg
