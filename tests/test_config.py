@@ -436,6 +436,7 @@ INTERNAL_ENV = [
                 "PDSERVE_MAX_IN_FLIGHT",
                 "PDSERVE_RETRY_AFTER_S",
                 "PDSERVE_TOKENIZER_THREADS",
+                "PDSERVE_MAX_N",
                 "PDSERVE_API_KEY",
                 "PDSERVE_TLS_CERT",
                 "PDSERVE_TLS_KEY",

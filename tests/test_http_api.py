@@ -328,7 +328,7 @@ ERROR_CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("two prompts", "/v1/completions", {**COMPLETION, "prompt": ["a", "b"]}, 400, "prompt", None),
     ("top_p zero", "/v1/completions", {**COMPLETION, "top_p": 0}, 400, "top_p", None),
     ("empty stop", "/v1/completions", {**COMPLETION, "stop": [""]}, 400, "stop", None),
-    ("n=2", "/v1/completions", {**COMPLETION, "n": 2}, 400, "n", None),
+    ("n=0", "/v1/completions", {**COMPLETION, "n": 0}, 400, "n", None),
     ("unknown model", "/v1/completions", {**COMPLETION, "model": "gpt-9"}, 404, "model", "model_not_found"),
     (
         "max_tokens not a number",
@@ -339,7 +339,7 @@ ERROR_CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
         None,
     ),
     ("malformed JSON", "/v1/completions", b'{"prompt": "hi",', 400, None, None),
-    ("chat n=2", "/v1/chat/completions", {**CHAT, "n": 2}, 400, "n", None),
+    ("chat n beyond max_n", "/v1/chat/completions", {**CHAT, "n": 17}, 400, "n", None),
     ("chat unknown model", "/v1/chat/completions", {**CHAT, "model": "x"}, 404, "model", "model_not_found"),
     ("chat no messages", "/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages", None),
     (

@@ -45,13 +45,13 @@ class RequestLimits:
     retry_after_s: int = field(
         default=1, metadata={"help": "the Retry-After (seconds) of a request refused for overload"}
     )
-    max_n: int = field(
-        default=16,
-        metadata={"help": f"most choices (n) of one request, at most {MAX_CHOICES}; each decodes on its own"},
-    )
     tokenizer_threads: int = field(
         default=2,
         metadata={"help": "threads that tokenize prompts and apply chat templates off the event loop"},
+    )
+    max_n: int = field(
+        default=16,
+        metadata={"help": f"most choices (n) of one request, at most {MAX_CHOICES}; each decodes on its own"},
     )
 
     def __post_init__(self) -> None:
