@@ -5,7 +5,8 @@ One prefill and two decodes of tiny-llama: one decode takes the KV in place (shm
 gloo pair, and the gateway spreads a request's choices over both. Greedy choices equal
 ``model.generate``; seeded choices equal the shared sampler run in one process with the choice's
 seed (``seed + i``), the same on every run and not all alike; streams carry each choice's index;
-``max_tokens=1`` never reaches a decode nor parks a KV; a client that leaves cancels every choice.
+``max_tokens=1`` never reaches a decode nor parks a KV; a client that leaves cancels every choice;
+the choices on a decode that is killed move to the other one, each on its own, token for token.
 Each test ends with no KV parked or lent and nothing running.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import signal
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,10 +25,12 @@ import openai
 import pytest
 
 from pdserve.core.sampling import SamplingParams
+from pdserve.v1 import gateway_pb2_grpc
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import Result, generate, make_request
-from tests.stack import Stack, scrape
+from tests.stack import Stack, free_port, scrape, wait_for
 from tests.test_equivalence import reference_tokens
+from tests.test_migration import _busiest, _restart
 from tests.test_sampled_stack import one_process
 
 MODEL = "tiny-llama"
@@ -44,6 +48,8 @@ def n_stack(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         gateway_args=["--http-port", "0", "--served-model-name", MODEL, "--max-n", str(MAX_N)],
     )
     stack.decodes[1].args.extend(["--kv-backend", "gloo"])
+    for decode in stack.decodes:  # a killed decode comes back on its address
+        decode.args.extend(["--port", str(free_port())])
     stack.start()
     try:
         yield stack
@@ -251,3 +257,38 @@ def test_hostile_n_is_refused(n_stack: Stack, n: int) -> None:
             grpc_choices(n_stack, max_tokens=2, n=n)
         assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "n must be in" in (failed.value.details() or "")
+
+
+def test_each_choice_moves_on_its_own_when_its_decode_is_killed(n_stack: Stack) -> None:
+    fields = {"max_tokens": 400, "temperature": 1.0, "seed": 99, "ignore_eos": True, "n": 4}
+    undisturbed = grpc_choices(n_stack, **fields)
+    assert n_stack.gateway is not None
+    retries = "pdserve_gateway_retries_total{stage=decode}"
+    before = scrape(n_stack.gateway.metrics)[retries]
+    tokens: dict[int, list[int]] = defaultdict(list)
+
+    async def scenario() -> int:
+        async with grpc.aio.insecure_channel(n_stack.address) as channel:
+            call = gateway_pb2_grpc.GatewayStub(channel).Generate(
+                make_request(prompt_token_ids=PROMPT, **fields), timeout=300
+            )
+            victim = -1
+            async for chunk in call:
+                tokens[chunk.index].extend(chunk.token_ids)
+                if victim < 0 and len(tokens) == 4 and all(len(t) >= 2 for t in tokens.values()):
+                    victim = _busiest(n_stack)
+                    n_stack.decodes[victim].signal(signal.SIGKILL)
+            return victim
+
+    victim = asyncio.run(scenario())
+    assert victim >= 0
+    assert scrape(n_stack.gateway.metrics)[retries] - before >= 1, "no choice was on the killed decode"
+    assert dict(tokens) == {i: c.token_ids for i, c in undisturbed.items()}
+    _restart(n_stack.decodes[victim])
+    _both_serving_decodes(n_stack)
+
+
+def _both_serving_decodes(stack: Stack) -> None:
+    assert stack.gateway is not None
+    serving = "pdserve_gateway_backends_serving{role=decode}"
+    assert wait_for(lambda: scrape(stack.gateway.metrics)[serving] == 2, 30)  # type: ignore[union-attr]
