@@ -24,13 +24,13 @@ import grpc
 import openai
 import pytest
 
-from pdserve.core.sampling import SamplingParams
-from pdserve.v1 import gateway_pb2_grpc
+from pdserve.core.sampling import MAX_CHOICES, SamplingParams
+from pdserve.v1 import decode_pb2, decode_pb2_grpc, gateway_pb2_grpc, prefill_pb2, sampling_pb2
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import Result, generate, make_request
-from tests.stack import Stack, free_port, scrape, wait_for
+from tests.stack import Stack, free_port, internal_aio_channel, scrape, wait_for
 from tests.test_equivalence import reference_tokens
-from tests.test_migration import _busiest, _restart
+from tests.test_migration import _busiest, _prefill, _release, _restart
 from tests.test_sampled_stack import one_process
 
 MODEL = "tiny-llama"
@@ -292,3 +292,44 @@ def _both_serving_decodes(stack: Stack) -> None:
     assert stack.gateway is not None
     serving = "pdserve_gateway_backends_serving{role=decode}"
     assert wait_for(lambda: scrape(stack.gateway.metrics)[serving] == 2, 30)  # type: ignore[union-attr]
+
+
+def test_internal_calls_bound_n(n_stack: Stack) -> None:
+    """The prefill takes at most MAX_CHOICES choices; its choices' handles are each a handle (a
+    decode refuses a request of several choices, and each releases on its own)."""
+    sampling = sampling_pb2.SamplingParams(max_tokens=4, temperature=1.0, seed=1, n=MAX_CHOICES + 1)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        asyncio.run(_prefill(n_stack, prefill_pb2.PrefillRequest(prompt_token_ids=PROMPT, sampling=sampling)))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.n" in (refused.value.details() or "")
+
+    sampling.n = 2
+    answer = asyncio.run(
+        _prefill(n_stack, prefill_pb2.PrefillRequest(prompt_token_ids=PROMPT, sampling=sampling))
+    )
+    assert not answer.HasField("kv_handle") and len(answer.choices) == 2
+    handles = [c.kv_handle for c in answer.choices]
+    assert handles[0].id != handles[1].id and handles[0].num_bytes == handles[1].num_bytes
+    parked = scrape(n_stack.prefills[0].metrics)
+    assert (
+        parked["pdserve_kv_parked_handles"] == 2 and parked["pdserve_kv_parked_bytes"] == handles[0].num_bytes
+    )
+
+    async def decode() -> None:
+        async with internal_aio_channel(n_stack.decodes[0].grpc) as channel:
+            request = decode_pb2.DecodeRequest(
+                request_id="two",
+                kv_handle=handles[0],
+                first_token_id=answer.choices[0].first_token_id,
+                sampling=sampling,
+            )
+            async for _ in decode_pb2_grpc.DecodeStub(channel).Decode(request):
+                pass
+
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        asyncio.run(decode())
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.n must be 1" in (refused.value.details() or "")
+    asyncio.run(_release(n_stack, handles[0]))
+    assert scrape(n_stack.prefills[0].metrics)["pdserve_kv_parked_bytes"] == handles[0].num_bytes
+    asyncio.run(_release(n_stack, handles[1]))  # the last one frees the KV (the leak check)
