@@ -10,6 +10,8 @@
    that the decode's KV pull is not queued behind the gateway's writes to its clients;
 6. a stop string ends the stream and cancels decode; if the request ends in any way before decode
    has pulled the KV (client cancel, error, stop), the KV is released on the prefill.
+A request with ``n`` > 1 choices is prefilled once; from its first token on, each choice runs steps
+3 to 6 on its own, all at once (``gateway.choice_streams``), and its responses carry its index.
 Its request-level metrics (``gateway.request_metrics``) are observed along the way. A prefill
 holding a request's parked KV stays open until the request ends, even when DNS no longer lists it.
 
