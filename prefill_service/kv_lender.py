@@ -37,8 +37,8 @@ class KvLender:
 
     @property
     def num_bytes_lent(self) -> int:
-        with self._lock:
-            return sum(entry.num_bytes for entry, _ in self._lent.values())
+        with self._lock:  # a buffer lent under several handles (choices of one request) counts once
+            return sum({id(entry.buffer): entry.num_bytes for entry, _ in self._lent.values()}.values())
 
     def lend(self, entries: Sequence[ParkedKv], owner: PairKey, transport: str) -> list[kv_pb2.LentKv]:
         """Lends taken KVs to a decode's link; where it reads each one, in order."""
