@@ -14,9 +14,9 @@ Lifecycle of a request here:
 5. every request of the batch gets its result the moment that forward ends, with the time it
    waited in the queue (step 1 to 2).
 A request that asks for logprobs gets its first token's from that forward's row; one that asks for
-``prompt_logprobs`` makes the forward keep the logits of every position its prompt spans (for every
-row of the batch: ``logits_to_keep`` is the longest such prompt), and gets its prompt's
-(``pdserve.core.logprobs``). A batch without either runs as before.
+``prompt_logprobs`` runs in a forward of its own that keeps the logits of every position
+(``logits_to_keep`` = its prompt's length, so no other row's positions are kept) and gets its
+prompt's (``pdserve.core.logprobs``). A batch without either runs as before.
 A request whose deadline passed while it waited is dropped before its forward (``DeadlineExpired``).
 The servicer bounds the queue (``num_waiting``).
 
@@ -195,6 +195,8 @@ class PrefillEngine:
         if first is None or isinstance(first, WarmUp):
             return first
         batch = [first]
+        if first.params.prompt_logprobs is not None:
+            return batch  # alone: its forward keeps every position's logits
         longest = len(first.prompt_token_ids)
         while True:
             try:
@@ -208,7 +210,10 @@ class PrefillEngine:
                 self._held = item
                 return batch
             longest_if_added = max(longest, len(item.prompt_token_ids))
-            if longest_if_added * (len(batch) + 1) > self._max_batch_tokens:
+            if (
+                longest_if_added * (len(batch) + 1) > self._max_batch_tokens
+                or item.params.prompt_logprobs is not None
+            ):
                 self._held = item
                 return batch
             batch.append(item)

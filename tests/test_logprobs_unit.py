@@ -98,10 +98,10 @@ def test_sampling_proto_keeps_unset_and_zero_apart() -> None:
     assert not sampling_to_proto(SamplingParams()).HasField("logprobs")
 
 
-def test_prefill_batch_keeps_positions_only_for_rows_that_ask(cache_dir: Path) -> None:
-    """Three prompts of different lengths in one left-padded forward: the one asking for prompt
-    logprobs gets its prompt's, each gets the first token's only when it asks, all equal to a lone
-    forward of the reference model."""
+def test_prefill_keeps_positions_only_for_requests_that_ask(cache_dir: Path) -> None:
+    """Three prompts of different lengths arrive together: the one asking for prompt logprobs runs
+    in a forward of its own and gets its prompt's; the other two share a left-padded forward, and
+    each gets the first token's logprobs only when it asks; all equal a lone reference forward."""
     m = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir)))
     engine = PrefillEngine(m, m.device, max_batch_tokens=100_000)
     generator = torch.Generator().manual_seed(9)
@@ -125,7 +125,7 @@ def test_prefill_batch_keeps_positions_only_for_rows_that_ask(cache_dir: Path) -
         a, b, c = asyncio.run(run_all())
     finally:
         engine.close()
-    assert [r.batch_size for r in (a, b, c)] == [3, 3, 3]
+    assert [r.batch_size for r in (a, b, c)] == [1, 2, 2]
     with torch.no_grad():
         refs = [torch.log_softmax(m.model(torch.tensor([p])).logits[0].float(), dim=-1) for p in prompts]
     assert b.logprobs is None and b.prompt_logprobs == ()
