@@ -43,6 +43,10 @@ def choice_answers(answer: prefill_pb2.PrefillResponse, n: int) -> list[prefill_
             finish_reason=choice.finish_reason,
             kv_handle=choice.kv_handle if choice.HasField("kv_handle") else None,
             queue_seconds=answer.queue_seconds,
+            first_token_logprobs=(
+                choice.first_token_logprobs if choice.HasField("first_token_logprobs") else None
+            ),
+            prompt_logprobs=answer.prompt_logprobs,  # the prompt's, the same for every choice
         )
         for choice in answer.choices
     ]

@@ -33,11 +33,20 @@ class InputLimits:
         self.check_stop_token_ids(len(sampling.stop_token_ids))
         if sampling.HasField("n"):
             self.check_n(sampling.n)
+        for name in ("logprobs", "prompt_logprobs"):
+            if sampling.HasField(name):
+                self.check_logprobs(f"sampling.{name}", getattr(sampling, name))
 
     def check_n(self, n: int) -> None:
         bound = self.limits.max_n
         if not 1 <= n <= bound:
             raise ValueError(f"n must be in [1, {bound}] (choices of one request), got {n}")
+
+    def check_logprobs(self, field: str, count: int) -> None:
+        """A logprobs count against ``max_logprobs`` (-1: only the vocabulary bounds it)."""
+        bound = self.limits.max_logprobs
+        if bound >= 0 and count > bound:
+            raise ValueError(f"{field} = {count} is above the most this gateway serves ({bound})")
 
     def check_request_id(self, request_id: str) -> None:
         bound = self.limits.max_request_id_bytes

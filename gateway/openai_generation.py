@@ -13,7 +13,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import grpc
@@ -23,12 +23,14 @@ from gateway.admission import Place
 from gateway.metrics import GatewayMetrics
 from gateway.openai_choices import Choices
 from gateway.openai_errors import as_openai_error
+from gateway.openai_logprobs import ChatShape, CompletionShape
 from gateway.openai_models import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
     Delta,
@@ -40,7 +42,7 @@ from gateway.public_errors import public_error
 from gateway.request_flow import RequestFlow
 from pdserve.core.sampling import SamplingParams
 from pdserve.rpc.errors import RpcError
-from pdserve.v1 import gateway_pb2
+from pdserve.v1 import gateway_pb2, sampling_pb2
 
 Responses = AsyncGenerator[gateway_pb2.GenerateResponse, None]
 DONE = "data: [DONE]\n\n"
@@ -63,6 +65,9 @@ class Totals:
     completion_tokens: int = 0
     text: str = ""
     finish_reason: FinishReason | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[sampling_pb2.TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[sampling_pb2.TokenLogprobs] = field(default_factory=list)
 
     def add(self, response: gateway_pb2.GenerateResponse) -> FinishReason | None:
         """Counts one response; its OpenAI finish reason, or None while the request goes on."""
@@ -70,6 +75,9 @@ class Totals:
             self.prompt_tokens = response.num_prompt_tokens
         self.completion_tokens += len(response.token_ids)
         self.text += response.text
+        self.token_ids.extend(response.token_ids)
+        self.logprobs.extend(response.logprobs)
+        self.prompt_logprobs.extend(response.prompt_logprobs)
         if response.finish_reason:
             self.finish_reason = openai_finish_reason(response.finish_reason)
         return self.finish_reason
@@ -140,34 +148,44 @@ async def collect(responses: Responses) -> RequestTotals:
     return totals
 
 
-def completion(meta: ResponseMeta, totals: RequestTotals) -> Completion:
-    return Completion(
-        id=meta.id,
-        created=meta.created,
-        model=meta.model,
-        choices=[
-            CompletionChoice(index=index, text=choice.text, finish_reason=choice.finish_reason or "stop")
-            for index, choice in totals.by_index()
-        ],
-        usage=totals.usage(),
-    )
-
-
-def chat_completion(meta: ResponseMeta, totals: RequestTotals) -> ChatCompletion:
-    return ChatCompletion(
-        id=meta.id,
-        created=meta.created,
-        model=meta.model,
-        choices=[
-            ChatChoice(
-                index=index,
-                message=AssistantMessage(content=choice.text),
-                finish_reason=choice.finish_reason or "stop",
+def completion(meta: ResponseMeta, totals: RequestTotals, shape: CompletionShape | None = None) -> Completion:
+    choices = []
+    for index, totals_i in totals.by_index():
+        choice = CompletionChoice(
+            index=index, text=totals_i.text, finish_reason=totals_i.finish_reason or "stop"
+        )
+        if shape is not None:
+            choice.text, choice.logprobs = shape.render(
+                totals_i.text, totals_i.token_ids, totals_i.logprobs, totals_i.prompt_logprobs, first=True
             )
-            for index, choice in totals.by_index()
-        ],
-        usage=totals.usage(),
+            choice.prompt_logprobs = shape.prompt_field(totals_i.prompt_logprobs)
+        choices.append(choice)
+    return Completion(
+        id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=totals.usage()
     )
+
+
+def chat_completion(
+    meta: ResponseMeta, totals: RequestTotals, shape: ChatShape | None = None
+) -> ChatCompletion:
+    choices = []
+    prompt_logprobs: list[sampling_pb2.TokenLogprobs] = []
+    for index, totals_i in totals.by_index():
+        choice = ChatChoice(
+            index=index,
+            message=AssistantMessage(content=totals_i.text),
+            finish_reason=totals_i.finish_reason or "stop",
+        )
+        if shape is not None:
+            choice.logprobs = shape.render(totals_i.token_ids, totals_i.logprobs)
+        prompt_logprobs = prompt_logprobs or totals_i.prompt_logprobs
+        choices.append(choice)
+    body = ChatCompletion(
+        id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=totals.usage()
+    )
+    if shape is not None:
+        body.prompt_logprobs = shape.prompt_field(prompt_logprobs)
+    return body
 
 
 def sse(body: BaseModel) -> str:
@@ -175,14 +193,29 @@ def sse(body: BaseModel) -> str:
 
 
 async def completion_events(
-    meta: ResponseMeta, first: gateway_pb2.GenerateResponse, rest: Responses, include_usage: bool
+    meta: ResponseMeta,
+    first: gateway_pb2.GenerateResponse,
+    rest: Responses,
+    include_usage: bool,
+    shape: CompletionShape | None = None,
 ) -> AsyncGenerator[str, None]:
     totals = Choices(Totals)
     try:
         async for response in _chain(first, rest):
+            is_first = totals.is_new(response.index)
+            offset = len(totals.choice(response.index).text)
             reason = totals.add(response)
-            if response.text or reason is not None:
-                choice = CompletionChoice(index=response.index, text=response.text, finish_reason=reason)
+            choice = CompletionChoice(index=response.index, text=response.text, finish_reason=reason)
+            if shape is not None:
+                choice.text, choice.logprobs = shape.render(
+                    response.text,
+                    response.token_ids,
+                    response.logprobs,
+                    response.prompt_logprobs,
+                    first=is_first,
+                    offset=offset,
+                )
+            if choice.text or reason is not None or (choice.logprobs is not None and response.token_ids):
                 yield sse(Completion(id=meta.id, created=meta.created, model=meta.model, choices=[choice]))
         if include_usage:
             yield sse(
@@ -198,10 +231,16 @@ async def completion_events(
 
 
 async def chat_events(
-    meta: ResponseMeta, first: gateway_pb2.GenerateResponse, rest: Responses, include_usage: bool
+    meta: ResponseMeta,
+    first: gateway_pb2.GenerateResponse,
+    rest: Responses,
+    include_usage: bool,
+    shape: ChatShape | None = None,
 ) -> AsyncGenerator[str, None]:
-    def chunk(index: int, delta: Delta, reason: FinishReason | None = None) -> str:
-        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=reason)
+    def chunk(
+        index: int, delta: Delta, reason: FinishReason | None = None, logprobs: ChatLogprobs | None = None
+    ) -> str:
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs)
         return sse(ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice]))
 
     totals = Choices(Totals)
@@ -210,7 +249,13 @@ async def chat_events(
             if totals.is_new(response.index):  # a choice's first chunk gives the role
                 yield chunk(response.index, Delta(role="assistant", content=""))
             reason = totals.add(response)
-            if response.text:
+            if shape is not None and shape.top_logprobs is not None and response.token_ids:
+                yield chunk(
+                    response.index,
+                    Delta(content=response.text),
+                    logprobs=shape.render(response.token_ids, response.logprobs),
+                )
+            elif response.text:
                 yield chunk(response.index, Delta(content=response.text))
             if reason is not None:
                 yield chunk(response.index, Delta(), reason)

@@ -5,6 +5,7 @@ When every choice is complete at its first token nothing was packed and nothing 
 from __future__ import annotations
 
 from pdserve.kv.handle import HandleIssuer
+from pdserve.rpc.logprobs_proto import logprobs_list_to_proto, logprobs_to_proto
 from pdserve.v1 import prefill_pb2
 from prefill_service.engine import PrefillResult
 from prefill_service.kv_registry import KvRegistry
@@ -23,10 +24,13 @@ def choices_response(
         metrics.kv_parks.inc(len(entries))
         handles = [issuer.issue(entry) for entry in entries]
     response = prefill_pb2.PrefillResponse(queue_seconds=result.queue_seconds)
-    for choice in result.choices:
+    response.prompt_logprobs.extend(logprobs_list_to_proto(result.prompt_logprobs))
+    for index, choice in enumerate(result.choices):
         if choice.finish_reason is not None:
             metrics.finished_at_first_token.labels(choice.finish_reason).inc()
-            response.choices.add(first_token_id=choice.token_id, finish_reason=choice.finish_reason)
+            added = response.choices.add(first_token_id=choice.token_id, finish_reason=choice.finish_reason)
         else:
-            response.choices.add(first_token_id=choice.token_id, kv_handle=handles.pop(0))
+            added = response.choices.add(first_token_id=choice.token_id, kv_handle=handles.pop(0))
+        if result.choice_logprobs:
+            added.first_token_logprobs.CopyFrom(logprobs_to_proto(result.choice_logprobs[index]))
     return response

@@ -15,6 +15,10 @@ Lifecycle of a request here:
    and the KV is packed once, unless every choice is complete at its first token;
 5. every request of the batch gets its result the moment that forward ends, with the time it
    waited in the queue (step 1 to 2).
+A request that asks for logprobs gets its first token's from that forward's row; one that asks for
+``prompt_logprobs`` runs in a forward of its own that keeps the logits of every position
+(``logits_to_keep`` = its prompt's length, so no other row's positions are kept) and gets its
+prompt's (``pdserve.core.logprobs``). A batch without either runs as before.
 A request whose deadline passed while it waited is dropped before its forward (``DeadlineExpired``).
 The servicer bounds the queue (``num_waiting``).
 
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from pdserve.core.logprobs import TokenLogprobs, position_logprobs, prompt_logprobs
 from pdserve.core.sampling import SamplingParams
 from pdserve.kv.layout import pack_into
 from pdserve.kv.transports import GLOO, Place
@@ -69,6 +74,9 @@ class PrefillResult:
     batch_size: int
     queue_seconds: float = 0.0
     choices: tuple[FirstToken, ...] = ()  # every choice's first token (the first is the fields above)
+    logprobs: TokenLogprobs | None = None  # the first token's, when the request asks
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # prompt tokens 1..n-1, when the request asks
+    choice_logprobs: tuple[TokenLogprobs, ...] = ()  # n > 1: each choice's first token's, when asked
 
     @property
     def kv_buffer(self) -> torch.Tensor | None:
@@ -191,6 +199,8 @@ class PrefillEngine:
         if first is None or isinstance(first, WarmUp):
             return first
         batch = [first]
+        if first.params.prompt_logprobs is not None:
+            return batch  # alone: its forward keeps every position's logits
         longest = len(first.prompt_token_ids)
         while True:
             try:
@@ -204,7 +214,10 @@ class PrefillEngine:
                 self._held = item
                 return batch
             longest_if_added = max(longest, len(item.prompt_token_ids))
-            if longest_if_added * (len(batch) + 1) > self._max_batch_tokens:
+            if (
+                longest_if_added * (len(batch) + 1) > self._max_batch_tokens
+                or item.params.prompt_logprobs is not None
+            ):
                 self._held = item
                 return batch
             batch.append(item)
@@ -239,8 +252,9 @@ class PrefillEngine:
                 "attention_mask": mask.to(m.device),
                 "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(m.device),
             }
+        keep = max([lengths[row] for row, p in enumerate(params) if p.prompt_logprobs is not None] or [1])
         out = m.forward(
-            input_ids=input_ids.to(m.device), cache=cache, use_cache=True, logits_to_keep=1, **kwargs
+            input_ids=input_ids.to(m.device), cache=cache, use_cache=True, logits_to_keep=keep, **kwargs
         )
         logits = out.logits[:, -1]
         layers = [(layer.keys, layer.values) for layer in cache.layers]
@@ -252,9 +266,10 @@ class PrefillEngine:
             if continues(choices):
                 buffer = self._space.allocate(m.kv_layout.num_bytes(lengths[row]))
                 pack_into(buffer.tensor, layers, m.kv_layout, row, longest - lengths[row], lengths[row])
-            results.append(
-                PrefillResult(token, reason, buffer, lengths[row], 0.0, len(prompts), choices=choices)
-            )
+            result = PrefillResult(token, reason, buffer, lengths[row], 0.0, len(prompts), choices=choices)
+            if row_params.logprobs is not None or row_params.prompt_logprobs is not None:
+                result = _with_logprobs(result, out.logits[row], prompts[row], row_params)
+            results.append(result)
         if m.device.type == "cuda":
             torch.cuda.synchronize(m.device)
         elapsed = time.perf_counter() - start
@@ -263,6 +278,25 @@ class PrefillEngine:
     def _token_text(self, token: int) -> str:
         text: str = self._m.tokenizer.decode([token], skip_special_tokens=True)
         return text
+
+
+def _with_logprobs(
+    result: PrefillResult, logits: torch.Tensor, prompt: Sequence[int], params: SamplingParams
+) -> PrefillResult:
+    """``result`` with the logprobs its request asks for, from its row's kept logits ``[keep, vocab]``
+    (the last position's predicts the first token)."""
+    first = None
+    per_choice: tuple[TokenLogprobs, ...] = ()
+    if params.logprobs is not None:
+        first = position_logprobs(logits[-1], result.first_token_id, params.logprobs)
+        if len(result.choices) > 1:
+            per_choice = tuple(
+                position_logprobs(logits[-1], choice.token_id, params.logprobs) for choice in result.choices
+            )
+    in_prompt: tuple[TokenLogprobs, ...] = ()
+    if params.prompt_logprobs is not None:
+        in_prompt = tuple(prompt_logprobs(logits[-len(prompt) :], prompt, params.prompt_logprobs))
+    return dataclasses.replace(result, logprobs=first, prompt_logprobs=in_prompt, choice_logprobs=per_choice)
 
 
 def _expired(pending: _Pending) -> bool:

@@ -28,6 +28,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1  # choices of the request (``pdserve.core.choices``)
+    # Log-probabilities to return (``pdserve.core.logprobs``): None returns none; a count returns
+    # each generated token's logprob and that many most likely tokens (prompt_logprobs: each
+    # prompt token's after the first).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -46,6 +51,10 @@ class SamplingParams:
             raise ValueError("sampling.stop_token_ids must be >= 0")
         if not 1 <= self.n <= MAX_CHOICES:
             raise ValueError(f"sampling.n must be in [1, {MAX_CHOICES}], got {self.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(self, name)
+            if count is not None and count < 0:
+                raise ValueError(f"sampling.{name} must be >= 0 (unset: none), got {count}")
 
     @property
     def is_greedy(self) -> bool:

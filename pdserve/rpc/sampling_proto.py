@@ -20,6 +20,8 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         n=msg.n if msg.HasField("n") else _DEFAULTS.n,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -37,4 +39,8 @@ def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
         msg.seed = params.seed
     if params.n != 1:
         msg.n = params.n
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     return msg
