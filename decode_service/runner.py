@@ -7,19 +7,22 @@
    KV to its pool slot, and attends to its own positions up to that one (the rest of the longest
    row's length is masked);
 3. one forward of all rows through ``EngineModel.forward`` over a ``StepCache``;
-4. each row's token: the first maximum of its logits when greedy, else ``sample`` at its own step.
+4. each row's token: the first maximum of its logits when greedy, else ``sample`` at its own step;
+   a row whose request asks for logprobs gets its token's from the same logits
+   (``pdserve.core.logprobs``; a step of rows that ask none computes none).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from decode_service.kv_pool import KvPool
 from decode_service.sequence import DecodeSequence
 from decode_service.step_cache import BatchContext, StepCache, StepLayer
+from pdserve.core.logprobs import TokenLogprobs, rows_logprobs
 from pdserve.core.sampling import sample
 from pdserve.model.engine_model import EngineModel
 
@@ -28,6 +31,8 @@ from pdserve.model.engine_model import EngineModel
 class StepOutput:
     rows: list[DecodeSequence]  # in the order the step ran them
     token_ids: list[int]  # the token sampled for each row
+    # Each row's token's logprobs (None for a row that asks none); empty when no row asks.
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
 class StepRunner:
@@ -40,7 +45,11 @@ class StepRunner:
     def run(self, rows: Sequence[DecodeSequence]) -> StepOutput:
         ordered = self._arrange(rows)
         logits = self._forward(ordered)
-        return StepOutput(ordered, self._sample(logits, ordered))
+        tokens = self._sample(logits, ordered)
+        counts = [seq.params.logprobs for seq in ordered]
+        if all(count is None for count in counts):
+            return StepOutput(ordered, tokens)
+        return StepOutput(ordered, tokens, rows_logprobs(logits, tokens, counts))
 
     def clear(self) -> None:
         """Forgets the rows of the batch context (nothing runs, or other rows will)."""

@@ -68,10 +68,11 @@ class Scheduler:
         """Hands each row its token from the step; the rows that finished leave."""
         self.running = list(output.rows)  # in the order the step ran them, as the batch context holds them
         emissions = []
-        for seq, token_id in zip(output.rows, output.token_ids, strict=True):
+        for i, (seq, token_id) in enumerate(zip(output.rows, output.token_ids, strict=True)):
             seq.append_token(token_id)
             reason = finish_reason(token_id, seq.num_generated, seq.params, self._eos_token_ids)
-            emissions.append(Emission(seq, (token_id,), reason))
+            entry = output.logprobs[i] if output.logprobs else None
+            emissions.append(Emission(seq, (token_id,), reason, logprobs=(entry,) if entry else ()))
             if reason is not None:
                 self._leave(seq)
         deliver(emissions)

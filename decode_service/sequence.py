@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.core.logprobs import TokenLogprobs
 from pdserve.core.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class Emission:
     token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
     error: BaseException | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token when the request asks for logprobs
 
     @property
     def is_last(self) -> bool:

@@ -31,6 +31,7 @@ from decode_service.kv_source import KvSource, PulledKv
 from decode_service.metrics import DecodeMetrics
 from decode_service.sequence import DeadlineExpired, DecodeSequence, Emission
 from pdserve.core.limits import ModelLimits
+from pdserve.core.logprobs import check_count
 from pdserve.core.sampling import SamplingParams
 from pdserve.model.engine_model import ForwardUnavailable
 from pdserve.rpc.errors import RpcError
@@ -99,7 +100,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 failure = engine_error(emission.error)
                 stream.post(tag, emission.token_ids, code=failure.code, message=failure.message)
             else:
-                stream.post(tag, emission.token_ids, emission.finish_reason or "")
+                stream.post(tag, emission.token_ids, emission.finish_reason or "", logprobs=emission.logprobs)
             if emission.is_last and not ended.done():
                 ended.set_result(None)
 
@@ -145,6 +146,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     f"be <= the model's context {self._limits.max_model_len}"
                 )
             _check_resumed(request, params)
+            check_count("sampling.logprobs", params.logprobs, self._limits.vocab_size)
         except ValueError as exc:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         needed = request.kv_handle.num_tokens + params.max_tokens - 1 - request.num_generated

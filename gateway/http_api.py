@@ -15,6 +15,8 @@ up the request ends (504 before its first token, an SSE ``error`` event after it
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -50,6 +52,7 @@ from gateway.openai_generation import (
     first_response,
     observed,
 )
+from gateway.openai_logprobs import ChatShape, CompletionShape, TokenText, chat_count, completion_counts
 from gateway.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -125,16 +128,64 @@ class OpenAIApi:
             self._inputs.check_generate(request)
         except ValueError as exc:
             raise from_value_error(exc) from exc
-        params = sampling_params(body, completion_max_tokens(body))
+        max_tokens = completion_max_tokens(body)
+        echo_only = body.echo and max_tokens == 0  # the prompt alone (one token runs, unshown)
+        params = sampling_params(body, 1 if echo_only else max_tokens)
+        logprobs, prompt_logprobs = completion_counts(
+            body, self._limits.vocab_size, self._inputs.limits.max_logprobs
+        )
+        params = dataclasses.replace(params, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        events: EventsFn = completion_events
+        whole: BodyFn = completion
+        if body.echo or logprobs is not None or prompt_logprobs is not None:
+            shape, request = await self._completion_shape(body, request, params, echo_only)
+            events = functools.partial(completion_events, shape=shape)
+            whole = functools.partial(completion, shape=shape)
         place = self._admission.take()
         try:
-            return await self._respond(raw, body, meta, request, params, completion_events, completion, place)
+            return await self._respond(raw, body, meta, request, params, events, whole, place)
         except BaseException:
             place.release()  # a response that streams gives it back when its stream ends
             raise
 
+    async def _completion_shape(
+        self,
+        body: CompletionRequest,
+        request: gateway_pb2.GenerateRequest,
+        params: SamplingParams,
+        echo_only: bool,
+    ) -> tuple[CompletionShape, gateway_pb2.GenerateRequest]:
+        """How the request's choices show echo and logprobs; an echoed request's prompt goes on
+        as token ids (its logprobs are per token)."""
+        tokenizer = self._prompts.tokenizer
+        text = TokenText(tokenizer, body.return_tokens_as_token_ids)
+        shape = CompletionShape(text, params.logprobs, params.prompt_logprobs)
+        if not body.echo:
+            return shape, request
+        if request.prompt:
+            prompt_text = request.prompt
+            ids = await self._prompts.off_loop(lambda: list(tokenizer(prompt_text).input_ids))
+            request = gateway_pb2.GenerateRequest(request_id=request.request_id, prompt_token_ids=ids)
+        else:
+            ids = list(request.prompt_token_ids)
+            try:
+                self._limits.check_request(ids, params)
+            except ValueError as exc:
+                raise from_value_error(exc) from exc
+            prompt_text = await self._prompts.off_loop(lambda: str(tokenizer.decode(ids)))
+        return dataclasses.replace(
+            shape, echo=True, echo_only=echo_only, prompt_text=prompt_text, prompt_ids=tuple(ids)
+        ), request
+
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._admit(body)
+        count = chat_count(body, self._limits.vocab_size, self._inputs.limits.max_logprobs)
+        events: EventsFn = chat_events
+        whole: BodyFn = chat_completion
+        if count is not None:
+            shape = ChatShape(TokenText(self._prompts.tokenizer, body.return_tokens_as_token_ids), count)
+            events = functools.partial(chat_events, shape=shape)
+            whole = functools.partial(chat_completion, shape=shape)
         meta = ResponseMeta.new("chatcmpl", self._model_id)
         try:
             self._inputs.check_texts("messages", [m.text() for m in body.messages])
@@ -144,8 +195,9 @@ class OpenAIApi:
         try:
             ids = await self._prompts.off_loop(lambda: self._chat.token_ids(body.messages))
             params = sampling_params(body, chat_max_tokens(body, len(ids), self._limits.max_model_len))
+            params = dataclasses.replace(params, logprobs=count)
             request = gateway_pb2.GenerateRequest(request_id=meta.id, prompt_token_ids=ids)
-            return await self._respond(raw, body, meta, request, params, chat_events, chat_completion, place)
+            return await self._respond(raw, body, meta, request, params, events, whole, place)
         except ValueError as exc:
             place.release()
             raise from_value_error(exc, {"prompt": "messages", **max_tokens_param(body)}) from exc

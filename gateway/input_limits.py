@@ -31,6 +31,15 @@ class InputLimits:
     def check_sampling(self, sampling: sampling_pb2.SamplingParams) -> None:
         self.check_stop(sampling.stop)
         self.check_stop_token_ids(len(sampling.stop_token_ids))
+        for name in ("logprobs", "prompt_logprobs"):
+            if sampling.HasField(name):
+                self.check_logprobs(f"sampling.{name}", getattr(sampling, name))
+
+    def check_logprobs(self, field: str, count: int) -> None:
+        """A logprobs count against ``max_logprobs`` (-1: only the vocabulary bounds it)."""
+        bound = self.limits.max_logprobs
+        if bound >= 0 and count > bound:
+            raise ValueError(f"{field} = {count} is above the most this gateway serves ({bound})")
 
     def check_request_id(self, request_id: str) -> None:
         bound = self.limits.max_request_id_bytes

@@ -13,7 +13,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import grpc
@@ -22,12 +22,14 @@ from pydantic import BaseModel
 from gateway.admission import Place
 from gateway.metrics import GatewayMetrics
 from gateway.openai_errors import as_openai_error
+from gateway.openai_logprobs import ChatShape, CompletionShape
 from gateway.openai_models import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
     Delta,
@@ -39,7 +41,7 @@ from gateway.public_errors import public_error
 from gateway.request_flow import RequestFlow
 from pdserve.core.sampling import SamplingParams
 from pdserve.rpc.errors import RpcError
-from pdserve.v1 import gateway_pb2
+from pdserve.v1 import gateway_pb2, sampling_pb2
 
 Responses = AsyncGenerator[gateway_pb2.GenerateResponse, None]
 DONE = "data: [DONE]\n\n"
@@ -62,6 +64,9 @@ class Totals:
     completion_tokens: int = 0
     text: str = ""
     finish_reason: FinishReason | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[sampling_pb2.TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[sampling_pb2.TokenLogprobs] = field(default_factory=list)
 
     def add(self, response: gateway_pb2.GenerateResponse) -> FinishReason | None:
         """Counts one response; its OpenAI finish reason, or None while the request goes on."""
@@ -69,6 +74,9 @@ class Totals:
             self.prompt_tokens = response.num_prompt_tokens
         self.completion_tokens += len(response.token_ids)
         self.text += response.text
+        self.token_ids.extend(response.token_ids)
+        self.logprobs.extend(response.logprobs)
+        self.prompt_logprobs.extend(response.prompt_logprobs)
         if response.finish_reason:
             self.finish_reason = openai_finish_reason(response.finish_reason)
         return self.finish_reason
@@ -136,27 +144,26 @@ async def collect(responses: Responses) -> Totals:
     return totals
 
 
-def completion(meta: ResponseMeta, totals: Totals) -> Completion:
+def completion(meta: ResponseMeta, totals: Totals, shape: CompletionShape | None = None) -> Completion:
+    choice = CompletionChoice(text=totals.text, finish_reason=totals.finish_reason or "stop")
+    if shape is not None:
+        choice.text, choice.logprobs = shape.render(
+            totals.text, totals.token_ids, totals.logprobs, totals.prompt_logprobs, first=True
+        )
+        choice.prompt_logprobs = shape.prompt_field(totals.prompt_logprobs)
     return Completion(
-        id=meta.id,
-        created=meta.created,
-        model=meta.model,
-        choices=[CompletionChoice(text=totals.text, finish_reason=totals.finish_reason or "stop")],
-        usage=totals.usage(),
+        id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=totals.usage()
     )
 
 
-def chat_completion(meta: ResponseMeta, totals: Totals) -> ChatCompletion:
+def chat_completion(meta: ResponseMeta, totals: Totals, shape: ChatShape | None = None) -> ChatCompletion:
+    choice = ChatChoice(
+        message=AssistantMessage(content=totals.text), finish_reason=totals.finish_reason or "stop"
+    )
+    if shape is not None:
+        choice.logprobs = shape.render(totals.token_ids, totals.logprobs)
     return ChatCompletion(
-        id=meta.id,
-        created=meta.created,
-        model=meta.model,
-        choices=[
-            ChatChoice(
-                message=AssistantMessage(content=totals.text), finish_reason=totals.finish_reason or "stop"
-            )
-        ],
-        usage=totals.usage(),
+        id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=totals.usage()
     )
 
 
@@ -165,14 +172,28 @@ def sse(body: BaseModel) -> str:
 
 
 async def completion_events(
-    meta: ResponseMeta, first: gateway_pb2.GenerateResponse, rest: Responses, include_usage: bool
+    meta: ResponseMeta,
+    first: gateway_pb2.GenerateResponse,
+    rest: Responses,
+    include_usage: bool,
+    shape: CompletionShape | None = None,
 ) -> AsyncGenerator[str, None]:
     totals = Totals()
     try:
         async for response in _chain(first, rest):
+            offset = len(totals.text)
             reason = totals.add(response)
-            if response.text or reason is not None:
-                choice = CompletionChoice(text=response.text, finish_reason=reason)
+            choice = CompletionChoice(text=response.text, finish_reason=reason)
+            if shape is not None:
+                choice.text, choice.logprobs = shape.render(
+                    response.text,
+                    response.token_ids,
+                    response.logprobs,
+                    response.prompt_logprobs,
+                    first=response is first,
+                    offset=offset,
+                )
+            if choice.text or reason is not None or (choice.logprobs is not None and response.token_ids):
                 yield sse(Completion(id=meta.id, created=meta.created, model=meta.model, choices=[choice]))
         if include_usage:
             yield sse(
@@ -188,10 +209,14 @@ async def completion_events(
 
 
 async def chat_events(
-    meta: ResponseMeta, first: gateway_pb2.GenerateResponse, rest: Responses, include_usage: bool
+    meta: ResponseMeta,
+    first: gateway_pb2.GenerateResponse,
+    rest: Responses,
+    include_usage: bool,
+    shape: ChatShape | None = None,
 ) -> AsyncGenerator[str, None]:
-    def chunk(delta: Delta, reason: FinishReason | None = None) -> str:
-        choice = ChatChunkChoice(delta=delta, finish_reason=reason)
+    def chunk(delta: Delta, reason: FinishReason | None = None, logprobs: ChatLogprobs | None = None) -> str:
+        choice = ChatChunkChoice(delta=delta, finish_reason=reason, logprobs=logprobs)
         return sse(ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice]))
 
     totals = Totals()
@@ -199,7 +224,11 @@ async def chat_events(
         yield chunk(Delta(role="assistant", content=""))
         async for response in _chain(first, rest):
             reason = totals.add(response)
-            if response.text:
+            if shape is not None and response.token_ids:
+                yield chunk(
+                    Delta(content=response.text), logprobs=shape.render(response.token_ids, response.logprobs)
+                )
+            elif response.text:
                 yield chunk(Delta(content=response.text))
             if reason is not None:
                 yield chunk(Delta(), reason)

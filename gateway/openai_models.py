@@ -57,16 +57,14 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = None  # see gateway.openai_logprobs
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.echo:
-            out.append(("echo", "echo is not supported"))
-        if self.logprobs is not None:
-            out.append(("logprobs", "logprobs is not supported"))
         if self.best_of not in (None, 1):
             out.append(("best_of", f"best_of must be 1, got {self.best_of}"))
         if self.suffix:
@@ -98,13 +96,13 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool = False  # see gateway.openai_logprobs
+    top_logprobs: int | None = 0
+    return_tokens_as_token_ids: bool = False
     tools: list[Any] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.logprobs:
-            out.append(("logprobs", "logprobs is not supported"))
         if self.tools:
             out.append(("tools", "tools are not supported"))
         return out
@@ -121,11 +119,30 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def _is_none(value: object) -> bool:
+    return value is None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    # vLLM's: the prompt's logprobs (whole responses of requests that ask for them).
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = Field(default=None, exclude_if=_is_none)
 
 
 class Completion(BaseModel):
@@ -144,10 +161,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class ChatLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatLogprob):
+    top_logprobs: list[ChatLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -160,10 +191,6 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
-def _is_none(value: object) -> bool:
-    return value is None
-
-
 class Delta(BaseModel):
     """What a chat chunk adds; unset fields are left out (the last chunk's delta is ``{}``)."""
 
@@ -174,7 +201,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 

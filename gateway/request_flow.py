@@ -45,7 +45,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -63,7 +63,15 @@ from pdserve.core.sampling import SamplingParams
 from pdserve.kv.handle import describe
 from pdserve.rpc.errors import RpcError, status_code
 from pdserve.rpc.sampling_proto import sampling_to_proto
-from pdserve.v1 import decode_pb2, decode_pb2_grpc, gateway_pb2, kv_pb2, prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    gateway_pb2,
+    kv_pb2,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    sampling_pb2,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -122,19 +130,31 @@ class _Progress:
     delivered: list[int] = field(default_factory=list)  # token ids relayed to the client, in order
 
     def prefill_request(self) -> prefill_pb2.PrefillRequest:
-        """The prefill of the request from where it is: the prompt, then every delivered token."""
+        """The prefill of the request from where it is: the prompt, then every delivered token
+        (the prompt's logprobs, delivered with the first token, are not asked for again)."""
+        sampling = self.sampling
+        if self.delivered and sampling.HasField("prompt_logprobs"):
+            sampling = sampling_pb2.SamplingParams()
+            sampling.CopyFrom(self.sampling)
+            sampling.ClearField("prompt_logprobs")
         return prefill_pb2.PrefillRequest(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_ids + self.delivered,
-            sampling=self.sampling,
+            sampling=sampling,
             num_generated=len(self.delivered),
         )
 
     def relay(
-        self, token_ids: list[int], reason: str | None
+        self,
+        token_ids: list[int],
+        reason: str | None,
+        logprobs: Sequence[sampling_pb2.TokenLogprobs] = (),
+        prompt_logprobs: Sequence[sampling_pb2.TokenLogprobs] = (),
     ) -> tuple[gateway_pb2.GenerateResponse, str | None]:
         """The response carrying ``token_ids`` (the text they make final, stop strings applied) and
-        the request's finish reason after them; its tokens count as delivered."""
+        the request's finish reason after them; its tokens count as delivered. ``logprobs``: one
+        per token (the response keeps those of the tokens it carries); ``prompt_logprobs`` go on
+        the first response."""
         chunk = self.text.add(token_ids)
         reason = STOP if chunk.stopped else reason
         if reason is not None and not chunk.stopped:
@@ -147,6 +167,9 @@ class _Progress:
             request_id=self.request_id if first else "",
             num_prompt_tokens=len(self.prompt_ids) if first else 0,
         )
+        response.logprobs.extend(logprobs[: len(chunk.token_ids)])
+        if first:
+            response.prompt_logprobs.extend(prompt_logprobs)
         return response, reason
 
 
@@ -222,7 +245,12 @@ class RequestFlow:
             while True:  # one prefill's answer, then decode from its KV
                 parked = _park(prefill, first.kv_handle) if first.HasField("kv_handle") else None
                 step = len(run.delivered)  # the sampling step of the prefill's token
-                response, reason = run.relay([first.first_token_id], first.finish_reason or None)
+                response, reason = run.relay(
+                    [first.first_token_id],
+                    first.finish_reason or None,
+                    [first.first_token_logprobs] if first.HasField("first_token_logprobs") else [],
+                    first.prompt_logprobs,
+                )
                 if reason is None and parked is not None:
                     early = self._decodes.pick_now(failed_decodes)
                     if early is not None:
@@ -383,7 +411,9 @@ class RequestFlow:
                         decode.health.call_failed(code, update.error_message)
                     raise _AttemptFailed(code, where, update.error_message)
                 parked.pulled = True  # decode answers only after its pull
-                response, reason = run.relay(list(update.token_ids), update.finish_reason or None)
+                response, reason = run.relay(
+                    list(update.token_ids), update.finish_reason or None, update.logprobs
+                )
                 yield response
                 if reason is not None:
                     self._metrics.finished.labels(reason).inc()

@@ -13,6 +13,10 @@ Lifecycle of a request here:
    shared-memory arena, or private memory), ready to be parked under a handle;
 5. every request of the batch gets its result the moment that forward ends, with the time it
    waited in the queue (step 1 to 2).
+A request that asks for logprobs gets its first token's from that forward's row; one that asks for
+``prompt_logprobs`` makes the forward keep the logits of every position its prompt spans (for every
+row of the batch: ``logits_to_keep`` is the longest such prompt), and gets its prompt's
+(``pdserve.core.logprobs``). A batch without either runs as before.
 A request whose deadline passed while it waited is dropped before its forward (``DeadlineExpired``).
 The servicer bounds the queue (``num_waiting``).
 
@@ -37,6 +41,7 @@ import torch
 from transformers import DynamicCache
 
 from pdserve.core.finish import first_token_reason
+from pdserve.core.logprobs import TokenLogprobs, position_logprobs, prompt_logprobs
 from pdserve.core.sampling import SamplingParams, sample
 from pdserve.kv.layout import pack_into
 from pdserve.kv.transports import GLOO, Place
@@ -66,6 +71,8 @@ class PrefillResult:
     forward_seconds: float
     batch_size: int
     queue_seconds: float = 0.0
+    logprobs: TokenLogprobs | None = None  # the first token's, when the request asks
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # prompt tokens 1..n-1, when the request asks
 
     @property
     def kv_buffer(self) -> torch.Tensor | None:
@@ -236,8 +243,9 @@ class PrefillEngine:
                 "attention_mask": mask.to(m.device),
                 "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(m.device),
             }
+        keep = max([lengths[row] for row, p in enumerate(params) if p.prompt_logprobs is not None] or [1])
         out = m.forward(
-            input_ids=input_ids.to(m.device), cache=cache, use_cache=True, logits_to_keep=1, **kwargs
+            input_ids=input_ids.to(m.device), cache=cache, use_cache=True, logits_to_keep=keep, **kwargs
         )
         logits = out.logits[:, -1]
         layers = [(layer.keys, layer.values) for layer in cache.layers]
@@ -249,18 +257,32 @@ class PrefillEngine:
             if reason is None:
                 buffer = self._space.allocate(m.kv_layout.num_bytes(lengths[row]))
                 pack_into(buffer.tensor, layers, m.kv_layout, row, longest - lengths[row], lengths[row])
-            results.append(PrefillResult(token, reason, buffer, lengths[row], 0.0, len(prompts)))
+            result = PrefillResult(token, reason, buffer, lengths[row], 0.0, len(prompts))
+            if row_params.logprobs is not None or row_params.prompt_logprobs is not None:
+                result = _with_logprobs(result, out.logits[row], prompts[row], row_params)
+            results.append(result)
         if m.device.type == "cuda":
             torch.cuda.synchronize(m.device)
         elapsed = time.perf_counter() - start
-        return [
-            PrefillResult(r.first_token_id, r.finish_reason, r.kv, r.num_tokens, elapsed, r.batch_size)
-            for r in results
-        ]
+        return [dataclasses.replace(r, forward_seconds=elapsed) for r in results]
 
     def _token_text(self, token: int) -> str:
         text: str = self._m.tokenizer.decode([token], skip_special_tokens=True)
         return text
+
+
+def _with_logprobs(
+    result: PrefillResult, logits: torch.Tensor, prompt: Sequence[int], params: SamplingParams
+) -> PrefillResult:
+    """``result`` with the logprobs its request asks for, from its row's kept logits ``[keep, vocab]``
+    (the last position's predicts the first token)."""
+    first = None
+    if params.logprobs is not None:
+        first = position_logprobs(logits[-1], result.first_token_id, params.logprobs)
+    in_prompt: tuple[TokenLogprobs, ...] = ()
+    if params.prompt_logprobs is not None:
+        in_prompt = tuple(prompt_logprobs(logits[-len(prompt) :], prompt, params.prompt_logprobs))
+    return dataclasses.replace(result, logprobs=first, prompt_logprobs=in_prompt)
 
 
 def _expired(pending: _Pending) -> bool:

@@ -22,9 +22,10 @@ from pdserve.kv.shared_memory import is_instance_id
 from pdserve.kv.transports import KV_BACKENDS, SAME_HOST
 from pdserve.model.engine_model import EngineModel, ForwardUnavailable
 from pdserve.rpc.errors import RpcError, abort
+from pdserve.rpc.logprobs_proto import logprobs_list_to_proto, logprobs_to_proto
 from pdserve.rpc.sampling_proto import sampling_from_proto
 from pdserve.v1 import kv_pb2, prefill_pb2, prefill_pb2_grpc
-from prefill_service.engine import DeadlineExpired, PrefillEngine
+from prefill_service.engine import DeadlineExpired, PrefillEngine, PrefillResult
 from prefill_service.kv_lender import KvLender
 from prefill_service.kv_registry import KvRegistry, ParkedKv
 from prefill_service.kv_sender import KvSender, PairsFull, StaleGeneration
@@ -266,16 +267,32 @@ class PrefillServicer(KvHandoffServicer):
         self._metrics.batch_size.observe(result.batch_size)
         if result.finish_reason is not None or result.kv is None:
             self._metrics.finished_at_first_token.labels(result.finish_reason or "").inc()
-            return prefill_pb2.PrefillResponse(
-                first_token_id=result.first_token_id,
-                finish_reason=result.finish_reason or "",
-                queue_seconds=result.queue_seconds,
+            return _with_logprobs(
+                prefill_pb2.PrefillResponse(
+                    first_token_id=result.first_token_id,
+                    finish_reason=result.finish_reason or "",
+                    queue_seconds=result.queue_seconds,
+                ),
+                result,
             )
         entry = self._registry.park(result.kv, result.num_tokens)
         self._metrics.kv_parks.inc()
         logger.debug("request %s parked %d bytes", request.request_id, entry.num_bytes)
-        return prefill_pb2.PrefillResponse(
-            first_token_id=result.first_token_id,
-            kv_handle=self._issuer.issue(entry),
-            queue_seconds=result.queue_seconds,
+        return _with_logprobs(
+            prefill_pb2.PrefillResponse(
+                first_token_id=result.first_token_id,
+                kv_handle=self._issuer.issue(entry),
+                queue_seconds=result.queue_seconds,
+            ),
+            result,
         )
+
+
+def _with_logprobs(
+    response: prefill_pb2.PrefillResponse, result: PrefillResult
+) -> prefill_pb2.PrefillResponse:
+    """``response`` with the logprobs of ``result`` (none when its request asked for none)."""
+    if result.logprobs is not None:
+        response.first_token_logprobs.CopyFrom(logprobs_to_proto(result.logprobs))
+    response.prompt_logprobs.extend(logprobs_list_to_proto(result.prompt_logprobs))
+    return response

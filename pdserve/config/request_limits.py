@@ -44,6 +44,13 @@ class RequestLimits:
     retry_after_s: int = field(
         default=1, metadata={"help": "the Retry-After (seconds) of a request refused for overload"}
     )
+    max_logprobs: int = field(
+        default=20,
+        metadata={
+            "help": "most logprobs, top_logprobs or prompt_logprobs one request may ask for, as vLLM's "
+            "--max-logprobs (-1: up to the whole vocabulary)"
+        },
+    )
     tokenizer_threads: int = field(
         default=2,
         metadata={"help": "threads that tokenize prompts and apply chat templates off the event loop"},
@@ -63,3 +70,4 @@ class RequestLimits:
         ):
             check_at_least(name, getattr(self, name), 1)
         check_at_least("max_body_bytes", self.max_body_bytes, 1024)
+        check_at_least("max_logprobs", self.max_logprobs, -1)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.core.logprobs import check_count
 from pdserve.core.sampling import SamplingParams
 
 
@@ -54,6 +55,8 @@ class ModelLimits:
                 raise ValueError(
                     f"sampling.stop_token_ids has {token}, outside the vocabulary [0, {self.vocab_size})"
                 )
+        check_count("sampling.logprobs", params.logprobs, self.vocab_size)
+        check_count("sampling.prompt_logprobs", params.prompt_logprobs, self.vocab_size)
         num_prompt = len(prompt_token_ids) - num_generated
         if num_prompt >= self.max_model_len:
             raise ValueError(

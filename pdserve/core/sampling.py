@@ -26,6 +26,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Log-probabilities to return (``pdserve.core.logprobs``): None returns none; a count returns
+    # each generated token's logprob and that many most likely tokens (prompt_logprobs: each
+    # prompt token's after the first).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -42,6 +47,10 @@ class SamplingParams:
             raise ValueError("sampling.stop must not contain empty strings")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("sampling.stop_token_ids must be >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(self, name)
+            if count is not None and count < 0:
+                raise ValueError(f"sampling.{name} must be >= 0 (unset: none), got {count}")
 
     @property
     def is_greedy(self) -> bool:

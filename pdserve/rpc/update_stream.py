@@ -24,7 +24,9 @@ from typing import Any
 
 import grpc
 
+from pdserve.core.logprobs import TokenLogprobs
 from pdserve.rpc.errors import RpcError, abort, status_code
+from pdserve.rpc.logprobs_proto import logprobs_list_to_proto
 from pdserve.v1 import decode_pb2
 
 logger = logging.getLogger(__name__)
@@ -58,13 +60,14 @@ class UpdateStream:
         finish_reason: str = "",
         code: grpc.StatusCode = grpc.StatusCode.OK,
         message: str = "",
+        logprobs: Sequence[TokenLogprobs] = (),
     ) -> None:
         """Queues an update of a live request; a finish reason or an error code ends the request."""
         if tag not in self._live:
             return
         if finish_reason or code is not grpc.StatusCode.OK:
             self._live.discard(tag)
-        self._queue(tag, token_ids, finish_reason, code, message)
+        self._queue(tag, token_ids, finish_reason, code, message, logprobs)
 
     def reject(self, tag: int, code: grpc.StatusCode, message: str) -> None:
         """Answers a start that never became a request (its tag was already live)."""
@@ -90,7 +93,13 @@ class UpdateStream:
                 return
 
     def _queue(
-        self, tag: int, token_ids: Sequence[int], finish_reason: str, code: grpc.StatusCode, message: str
+        self,
+        tag: int,
+        token_ids: Sequence[int],
+        finish_reason: str,
+        code: grpc.StatusCode,
+        message: str,
+        logprobs: Sequence[TokenLogprobs] = (),
     ) -> None:
         self._pending.append(
             decode_pb2.DecodeUpdate(
@@ -99,6 +108,7 @@ class UpdateStream:
                 finish_reason=finish_reason,
                 error_code=code.value[0],
                 error_message=message,
+                logprobs=logprobs_list_to_proto(logprobs),
             )
         )
         self._wake.set()
@@ -157,7 +167,10 @@ async def serve_one(
             if last.error_code:
                 await abort(context, status_code(last.error_code), last.error_message)
             token_ids = [t for update in response.updates for t in update.token_ids]
-            yield decode_pb2.DecodeResponse(token_ids=token_ids, finish_reason=last.finish_reason)
+            logprobs = [entry for update in response.updates for entry in update.logprobs]
+            yield decode_pb2.DecodeResponse(
+                token_ids=token_ids, finish_reason=last.finish_reason, logprobs=logprobs
+            )
 
 
 async def _run(run_one: RunOne, tag: int, request: decode_pb2.DecodeRequest, stream: UpdateStream) -> None:
