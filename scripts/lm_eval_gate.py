@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", default="", help="model cache directory ('' = pdserve's default)")
     parser.add_argument("--limit", type=int, default=0, help="first N documents of each task (0: all)")
     parser.add_argument(
-        "--tasks", default="mc,gen,chat", help=f"comparisons to run, comma-separated ({','.join(COMPARISONS)})"
+        "--tasks",
+        default="mc,gen,chat",
+        help=f"comparisons to run, comma-separated ({','.join(COMPARISONS)})",
     )
     parser.add_argument(
         "--ll-tolerance",
@@ -77,7 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--num-concurrent", type=int, default=1, help="lm_eval's concurrent API requests")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the in-process hf model")
-    parser.add_argument("--url", default="", help="use the pdserve HTTP front at this URL instead of starting one")
+    parser.add_argument(
+        "--url", default="", help="use the pdserve HTTP front at this URL instead of starting one"
+    )
     parser.add_argument("--startup-timeout-s", type=float, default=600.0, help="wait for pdserve up")
     parser.add_argument("--json", default="", help="write the report (every sample of both backends) here")
     parser.add_argument("--log", default="", help="file for pdserve up's log (default: stderr)")
@@ -106,8 +110,9 @@ def offline_environment() -> None:
 
 
 @contextlib.contextmanager
-def pdserve_up(model_dir: Path, args: argparse.Namespace) -> Iterator[str]:
-    """A disaggregated stack on 127.0.0.1 with free ports; yields the gateway's HTTP base URL."""
+def pdserve_up(model_dir: Path, args: argparse.Namespace) -> Iterator[Callable[[], str]]:
+    """Starts a disaggregated stack on 127.0.0.1 with free ports; yields a call that waits until it
+    serves and returns the gateway's HTTP base URL (the stack starts while the hf runs go on)."""
     command = [
         sys.executable, "-m", "pdserve", "up", "--model", str(model_dir), "--host", "127.0.0.1",
         "--port", "0", "--http-port", "0", "--device", "cpu", "--mode", "disaggregated",
@@ -118,12 +123,19 @@ def pdserve_up(model_dir: Path, args: argparse.Namespace) -> Iterator[str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
         up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO_ROOT, env=env)
+        ready: list[str] = []
+
+        def base_url() -> str:
+            if not ready:
+                assert up.stdout is not None
+                line = up.stdout.readline()
+                if not line:
+                    raise SystemExit(f"pdserve up exited with {up.wait()} before it was ready")
+                ready.append(f"http://{json.loads(line)['gateway']['http']}")
+            return ready[0]
+
         try:
-            assert up.stdout is not None
-            line = up.stdout.readline()
-            if not line:
-                raise SystemExit(f"pdserve up exited with {up.wait()} before it was ready")
-            yield f"http://{json.loads(line)['gateway']['http']}"
+            yield base_url
         finally:
             up.terminate()
             try:
@@ -197,7 +209,9 @@ def differences(hf: dict[str, Any], pd: dict[str, Any], tolerance: float) -> tup
         if h["metrics"] != p["metrics"]:
             out.append(f"doc {doc}: metrics hf {h['metrics']} != pdserve {p['metrics']}")
         if len(h["responses"]) != len(p["responses"]):
-            out.append(f"doc {doc}: {len(h['responses'])} responses from hf, {len(p['responses'])} from pdserve")
+            out.append(
+                f"doc {doc}: {len(h['responses'])} responses from hf, {len(p['responses'])} from pdserve"
+            )
             continue
         for index, (hr, pr) in enumerate(zip(h["responses"], p["responses"], strict=True)):
             if isinstance(hr, str) or isinstance(pr, str):
@@ -208,14 +222,26 @@ def differences(hf: dict[str, Any], pd: dict[str, Any], tolerance: float) -> tup
             delta = abs(float(h_ll) - float(p_ll))
             worst = max(worst, delta) if math.isfinite(delta) else math.inf
             if not delta <= tolerance:
-                out.append(f"doc {doc} choice {index}: loglikelihood hf {h_ll!r} pdserve {p_ll!r} (|d|={delta:.2e})")
+                out.append(
+                    f"doc {doc} choice {index}: loglikelihood hf {h_ll!r} pdserve {p_ll!r} (|d|={delta:.2e})"
+                )
             if bool(h_greedy) != bool(p_greedy):
                 out.append(f"doc {doc} choice {index}: is_greedy hf {h_greedy} != pdserve {p_greedy}")
     return out, worst
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    header = ("comparison", "task", "pdserve model", "metric", "hf", "pdserve", "samples", "max |d ll|", "equal")
+    header = (
+        "comparison",
+        "task",
+        "pdserve model",
+        "metric",
+        "hf",
+        "pdserve",
+        "samples",
+        "max |d ll|",
+        "equal",
+    )
     lines = [header]
     for row in rows:
         for metric, hf_value in row["hf"]["metrics"].items():
@@ -234,38 +260,45 @@ def table(rows: list[dict[str, Any]]) -> str:
                 )
             )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join(" | ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)) for line in lines)
+    return "\n".join(
+        " | ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)) for line in lines
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     offline_environment()
     os.chdir(REPO_ROOT)  # the task files name their data relative to the repository root
-    import torch
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
-
     from pdserve.model.source import resolve_model_dir
 
-    for name in ("lm_eval", "lm-eval"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model, args.cache_dir or None)
-    task_manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
-    started = time.monotonic()
-    hf = HFLM(pretrained=str(model_dir), dtype="float32", device="cpu", batch_size=1)
-    hf_runs = {
-        c.name: collect(evaluate(hf, c.task, c.chat, args.limit, task_manager), c.task) for c in args.comparisons
-    }
-    hf_s = time.monotonic() - started
     with contextlib.ExitStack() as stack:
-        base_url = args.url.rstrip("/") if args.url else stack.enter_context(pdserve_up(model_dir, args))
-        name = served_model(base_url)
+        # The stack starts first: its processes load while this one imports lm_eval and runs hf.
+        base_url = (
+            (lambda: args.url.rstrip("/")) if args.url else stack.enter_context(pdserve_up(model_dir, args))
+        )
+        import torch
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+
+        for name in ("lm_eval", "lm-eval"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        torch.set_num_threads(args.threads)
+        task_manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+        started = time.monotonic()
+        hf = HFLM(pretrained=str(model_dir), dtype="float32", device="cpu", batch_size=1)
+        hf_runs = {
+            c.name: collect(evaluate(hf, c.task, c.chat, args.limit, task_manager), c.task)
+            for c in args.comparisons
+        }
+        hf_s = time.monotonic() - started
+        url = base_url()
+        name = served_model(url)
         started = time.monotonic()
         rows = []
         for c in args.comparisons:
             model_args: dict[str, Any] = {
                 "model": name,
-                "base_url": f"{base_url}{c.endpoint}",
+                "base_url": f"{url}{c.endpoint}",
                 "num_concurrent": args.num_concurrent,
                 "max_retries": 1,
                 "timeout": 600,
