@@ -245,6 +245,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [header]
     for row in rows:
         for metric, hf_value in row["hf"]["metrics"].items():
+            if metric.startswith("sample_len"):
+                continue  # the "samples" column
             pd_value = row["pdserve"]["metrics"].get(metric, math.nan)
             lines.append(
                 (
