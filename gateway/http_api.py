@@ -52,7 +52,7 @@ from gateway.openai_generation import (
     first_response,
     observed,
 )
-from gateway.openai_logprobs import ChatShape, CompletionShape, TokenText, chat_count, completion_counts
+from gateway.openai_logprobs import ChatShape, CompletionShape, TokenText, chat_counts, completion_counts
 from gateway.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -179,11 +179,12 @@ class OpenAIApi:
 
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._admit(body)
-        count = chat_count(body, self._limits.vocab_size, self._inputs.limits.max_logprobs)
+        count, prompt_count = chat_counts(body, self._limits.vocab_size, self._inputs.limits.max_logprobs)
         events: EventsFn = chat_events
         whole: BodyFn = chat_completion
-        if count is not None:
-            shape = ChatShape(TokenText(self._prompts.tokenizer, body.return_tokens_as_token_ids), count)
+        if count is not None or prompt_count is not None:
+            text = TokenText(self._prompts.tokenizer, body.return_tokens_as_token_ids)
+            shape = ChatShape(text, count, prompt_count)
             events = functools.partial(chat_events, shape=shape)
             whole = functools.partial(chat_completion, shape=shape)
         meta = ResponseMeta.new("chatcmpl", self._model_id)
@@ -195,7 +196,7 @@ class OpenAIApi:
         try:
             ids = await self._prompts.off_loop(lambda: self._chat.token_ids(body.messages))
             params = sampling_params(body, chat_max_tokens(body, len(ids), self._limits.max_model_len))
-            params = dataclasses.replace(params, logprobs=count)
+            params = dataclasses.replace(params, logprobs=count, prompt_logprobs=prompt_count)
             request = gateway_pb2.GenerateRequest(request_id=meta.id, prompt_token_ids=ids)
             return await self._respond(raw, body, meta, request, params, events, whole, place)
         except ValueError as exc:

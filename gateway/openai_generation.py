@@ -160,11 +160,13 @@ def chat_completion(meta: ResponseMeta, totals: Totals, shape: ChatShape | None 
     choice = ChatChoice(
         message=AssistantMessage(content=totals.text), finish_reason=totals.finish_reason or "stop"
     )
-    if shape is not None:
-        choice.logprobs = shape.render(totals.token_ids, totals.logprobs)
-    return ChatCompletion(
+    body = ChatCompletion(
         id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=totals.usage()
     )
+    if shape is not None:
+        choice.logprobs = shape.render(totals.token_ids, totals.logprobs)
+        body.prompt_logprobs = shape.prompt_field(totals.prompt_logprobs)
+    return body
 
 
 def sse(body: BaseModel) -> str:
@@ -224,7 +226,7 @@ async def chat_events(
         yield chunk(Delta(role="assistant", content=""))
         async for response in _chain(first, rest):
             reason = totals.add(response)
-            if shape is not None and response.token_ids:
+            if shape is not None and shape.top_logprobs is not None and response.token_ids:
                 yield chunk(
                     Delta(content=response.text), logprobs=shape.render(response.token_ids, response.logprobs)
                 )

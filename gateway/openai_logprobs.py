@@ -3,7 +3,7 @@
 Requests. Completions take ``logprobs: int`` (how many most likely tokens each position lists
 besides its own token), ``echo`` (the prompt before the completion; with ``logprobs``, the prompt's
 logprobs too, ``prompt_logprobs`` defaulting to ``logprobs``) and vLLM's ``prompt_logprobs: int``;
-chat takes ``logprobs: bool`` and ``top_logprobs: int``. A count of -1 is the whole vocabulary. A
+chat takes ``logprobs: bool``, ``top_logprobs: int`` and ``prompt_logprobs``. A count of -1 is the whole vocabulary. A
 count beyond ``--max-logprobs`` (-1: no bound but the vocabulary) is 400 naming the field, as is a
 negative one, ``top_logprobs`` without ``logprobs``, and ``prompt_logprobs`` on a stream.
 
@@ -13,8 +13,9 @@ at most (``top_logprobs``, keyed by token text), a chat position the first ``top
 text is the token decoded alone (``token_id:N`` with ``return_tokens_as_token_ids``), ``bytes`` its
 UTF-8, a logprob of -inf is -9999.0. ``text_offset`` counts the token texts' lengths from the
 start of the text (of the streamed completion text before the chunk, on a stream). The
-completion's ``prompt_logprobs`` (vLLM's field) lists ``null`` for the first prompt token, then
-``{token_id: {logprob, rank, decoded_token}}`` per prompt token.
+``prompt_logprobs`` of a whole response (vLLM's field: on the completion's choice, on the chat
+response) lists ``null`` for the first prompt token, then ``{token_id: {logprob, rank,
+decoded_token}}`` per prompt token.
 """
 
 from __future__ import annotations
@@ -79,17 +80,25 @@ def completion_counts(
     return logprobs, prompt
 
 
-def chat_count(body: ChatCompletionRequest, vocab_size: int, max_logprobs: int) -> int | None:
-    """The logprobs count of a chat request (None: it asks for none)."""
+def chat_counts(
+    body: ChatCompletionRequest, vocab_size: int, max_logprobs: int
+) -> tuple[int | None, int | None]:
+    """(logprobs, prompt_logprobs) of a chat request, for its SamplingParams (None: none)."""
     top = body.top_logprobs
     _check_sign("top_logprobs", top)
+    _check_sign("prompt_logprobs", body.prompt_logprobs)
     if top is not None and top != 0 and not body.logprobs:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-    if not body.logprobs:
-        return None
-    count = _count(top or 0, vocab_size)
-    _check_bound("sample", "top_logprobs", count, max_logprobs, vocab_size)
-    return count
+    if body.stream and body.prompt_logprobs is not None and body.prompt_logprobs != 0:
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    count = None
+    if body.logprobs:
+        count = _count(top or 0, vocab_size)
+        _check_bound("sample", "top_logprobs", count, max_logprobs, vocab_size)
+    prompt = None if body.prompt_logprobs is None else _count(body.prompt_logprobs, vocab_size)
+    if prompt is not None:
+        _check_bound("prompt", "prompt_logprobs", prompt, max_logprobs, vocab_size)
+    return count, prompt
 
 
 class TokenText:
@@ -247,8 +256,18 @@ class CompletionShape:
 
 @dataclass(frozen=True)
 class ChatShape:
-    text: TokenText
-    top_logprobs: int  # how many most likely tokens each position lists
+    """What a chat request's response shows beyond the message: logprobs, vLLM's ``prompt_logprobs``."""
 
-    def render(self, token_ids: Sequence[int], entries: Sequence[Entry]) -> ChatLogprobs:
+    text: TokenText
+    top_logprobs: int | None = None  # how many most likely tokens each position lists (None: no logprobs)
+    prompt_logprobs: int | None = None
+
+    def render(self, token_ids: Sequence[int], entries: Sequence[Entry]) -> ChatLogprobs | None:
+        if self.top_logprobs is None:
+            return None
         return chat_logprobs(token_ids, entries, self.top_logprobs, self.text)
+
+    def prompt_field(self, prompt_entries: Sequence[Entry]) -> list[dict[int, PromptLogprob] | None] | None:
+        if self.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_field(prompt_entries, self.prompt_logprobs, self.text)

@@ -98,6 +98,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False  # see gateway.openai_logprobs
     top_logprobs: int | None = 0
+    prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool = False
     tools: list[Any] | None = None
 
@@ -189,6 +190,8 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # vLLM's: the prompt's logprobs (requests that ask for them).
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = Field(default=None, exclude_if=_is_none)
 
 
 class Delta(BaseModel):

@@ -435,6 +435,7 @@ INTERNAL_ENV = [
                 "PDSERVE_MAX_BODY_BYTES",
                 "PDSERVE_MAX_IN_FLIGHT",
                 "PDSERVE_RETRY_AFTER_S",
+                "PDSERVE_MAX_LOGPROBS",
                 "PDSERVE_TOKENIZER_THREADS",
                 "PDSERVE_API_KEY",
                 "PDSERVE_TLS_CERT",

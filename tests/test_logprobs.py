@@ -19,8 +19,9 @@ import openai
 import pytest
 import torch
 
+from pdserve.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from tests.grpc_client import make_request, run
-from tests.stack import Stack
+from tests.stack import Stack, internal_channel, scrape
 
 MODEL = "tiny-llama"
 PROMPT = [5, 17, 99, 230, 41, 7, 64, 12]
@@ -106,8 +107,10 @@ def test_completion_logprobs_equal_reference(client: openai.OpenAI, reference: t
 
 
 def test_lm_eval_loglikelihood_request(stack: Stack, reference: tuple[Any, Any]) -> None:
-    """The request lm-evaluation-harness's local-completions sends for loglikelihood."""
+    """The request lm-evaluation-harness's local-completions sends for loglikelihood: complete at
+    its first token, it never reaches decode."""
     model, tokenizer = reference
+    decode_requests = scrape(stack.decodes[0].metrics)["pdserve_decode_requests_total"]
     status, body = post(
         stack,
         "/v1/completions",
@@ -141,6 +144,7 @@ def test_lm_eval_loglikelihood_request(stack: Stack, reference: tuple[Any, Any])
     assert entry["rank"] == int((ref[0] >= ref[0][PROMPT[1]]).sum())
     assert entry["decoded_token"] == tokenizer.decode([PROMPT[1]])
     assert body["usage"]["prompt_tokens"] == len(PROMPT)
+    assert scrape(stack.decodes[0].metrics)["pdserve_decode_requests_total"] == decode_requests
 
 
 def test_echo_with_max_tokens_zero_returns_the_prompt(stack: Stack, reference: tuple[Any, Any]) -> None:
@@ -342,3 +346,50 @@ def test_sampling_unchanged_with_logprobs(client: openai.OpenAI) -> None:
     assert first.text == sampled == again.text
     assert first.logprobs is not None and again.logprobs is not None
     assert first.logprobs.token_logprobs == again.logprobs.token_logprobs
+
+
+def test_chat_prompt_logprobs(stack: Stack, reference: tuple[Any, Any]) -> None:
+    model, tokenizer = reference
+    messages = [{"role": "user", "content": "hello"}]
+    status, body = post(
+        stack,
+        "/v1/chat/completions",
+        {"messages": messages, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1},
+    )
+    assert status == 200, body
+    prompt = tokenizer(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    ).input_ids
+    ref = ref_logprobs(model, prompt)
+    field = body["prompt_logprobs"]
+    assert len(field) == len(prompt) and field[0] is None
+    for i in range(1, len(prompt)):
+        entry = field[i][str(prompt[i])]
+        assert math.isclose(entry["logprob"], float(ref[i - 1][prompt[i]]), abs_tol=TOL)
+    assert body["choices"][0]["logprobs"] is None
+
+
+def test_internal_services_refuse_hostile_counts(stack: Stack) -> None:
+    huge = sampling_pb2.SamplingParams(max_tokens=2, temperature=0, logprobs=2**32 - 1)
+    with internal_channel(stack.prefills[0].grpc) as channel:
+        prefill = prefill_pb2_grpc.PrefillStub(channel)
+        for sampling in (
+            huge,
+            sampling_pb2.SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=10**6),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                prefill.Prefill(
+                    prefill_pb2.PrefillRequest(prompt_token_ids=PROMPT, sampling=sampling), timeout=30
+                )
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "logprobs" in (info.value.details() or "")
+    with internal_channel(stack.decodes[0].grpc) as channel:
+        decode = decode_pb2_grpc.DecodeStub(channel)
+        request = decode_pb2.DecodeRequest(
+            kv_handle=kv_pb2.KvHandle(num_tokens=4), first_token_id=1, sampling=huge
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            list(decode.Decode(request, timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sampling.logprobs" in (info.value.details() or "")
