@@ -10,7 +10,9 @@ Usage: python scripts/lm_eval_gate.py [--limit N] [--tasks mc,gen,chat] [--json 
    process on the same model directory, float32 on CPU, one request at a time;
 4. compares them sample by sample: every generated string equal; every loglikelihood within
    --ll-tolerance and its is-greedy flag equal; every metric of every sample and of the task equal;
-5. prints a table and exits 0 when everything is equal, 1 otherwise.
+5. checks that the stack it started holds nothing afterwards (no parked or lent KV on the prefill,
+   nothing running, waiting or in the KV pool on the decode);
+6. prints a table and exits 0 when everything is equal and nothing is held, 1 otherwise.
 
 The comparisons (``--tasks``):
   mc    pdserve_facts_mc (multiple_choice: loglikelihoods through /v1/completions with echo+logprobs)
@@ -110,9 +112,9 @@ def offline_environment() -> None:
 
 
 @contextlib.contextmanager
-def pdserve_up(model_dir: Path, args: argparse.Namespace) -> Iterator[Callable[[], str]]:
+def pdserve_up(model_dir: Path, args: argparse.Namespace) -> Iterator[Callable[[], dict[str, Any]]]:
     """Starts a disaggregated stack on 127.0.0.1 with free ports; yields a call that waits until it
-    serves and returns the gateway's HTTP base URL (the stack starts while the hf runs go on)."""
+    serves and returns its ready line (the stack starts while the hf runs go on)."""
     command = [
         sys.executable, "-m", "pdserve", "up", "--model", str(model_dir), "--host", "127.0.0.1",
         "--port", "0", "--http-port", "0", "--device", "cpu", "--mode", "disaggregated",
@@ -123,19 +125,19 @@ def pdserve_up(model_dir: Path, args: argparse.Namespace) -> Iterator[Callable[[
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
         up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO_ROOT, env=env)
-        ready: list[str] = []
+        ready: list[dict[str, Any]] = []
 
-        def base_url() -> str:
+        def wait_ready() -> dict[str, Any]:
             if not ready:
                 assert up.stdout is not None
                 line = up.stdout.readline()
                 if not line:
                     raise SystemExit(f"pdserve up exited with {up.wait()} before it was ready")
-                ready.append(f"http://{json.loads(line)['gateway']['http']}")
+                ready.append(json.loads(line))
             return ready[0]
 
         try:
-            yield base_url
+            yield wait_ready
         finally:
             up.terminate()
             try:
@@ -143,6 +145,37 @@ def pdserve_up(model_dir: Path, args: argparse.Namespace) -> Iterator[Callable[[
             except subprocess.TimeoutExpired:
                 up.kill()
                 up.wait()
+
+
+def scrape(address: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+HELD = {
+    "prefill": ("pdserve_kv_parked_handles", "pdserve_kv_parked_bytes", "pdserve_kv_lent_handles"),
+    "decode": ("pdserve_decode_running", "pdserve_decode_waiting", "pdserve_decode_kv_blocks_used"),
+}
+
+
+def held(ready: dict[str, Any], timeout_s: float = 15.0) -> dict[str, dict[str, float]]:
+    """What each prefill and decode still holds once the runs are over (empty: nothing), waiting up
+    to timeout_s for releases that run in the background."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found: dict[str, dict[str, float]] = {}
+        for role, names in HELD.items():
+            for index, service in enumerate(ready[role]):
+                m = scrape(service["metrics"])
+                values = {name: m.get(name, 0.0) for name in names if m.get(name, 0.0)}
+                if values:
+                    found[f"{role}-{index}"] = values
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 def served_model(base_url: str) -> str:
@@ -275,9 +308,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = resolve_model_dir(args.model, args.cache_dir or None)
     with contextlib.ExitStack() as stack:
         # The stack starts first: its processes load while this one imports lm_eval and runs hf.
-        base_url = (
-            (lambda: args.url.rstrip("/")) if args.url else stack.enter_context(pdserve_up(model_dir, args))
-        )
+        wait_ready = None if args.url else stack.enter_context(pdserve_up(model_dir, args))
         import torch
         from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
@@ -293,7 +324,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for c in args.comparisons
         }
         hf_s = time.monotonic() - started
-        url = base_url()
+        ready = wait_ready() if wait_ready is not None else None
+        url = f"http://{ready['gateway']['http']}" if ready is not None else args.url.rstrip("/")
         name = served_model(url)
         started = time.monotonic()
         rows = []
@@ -327,6 +359,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 }
             )
         pdserve_s = time.monotonic() - started
+        leaks = held(ready) if ready is not None else {}
     return {
         "model": str(model_dir),
         "limit": args.limit,
@@ -334,7 +367,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "hf_s": round(hf_s, 1),
         "pdserve_s": round(pdserve_s, 1),
         "comparisons": rows,
-        "equal": all(not row["differences"] for row in rows),
+        "leaks": leaks,
+        "equal": all(not row["differences"] for row in rows) and not leaks,
     }
 
 
@@ -347,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in report["comparisons"]:
         for line in row["differences"][:20]:
             print(f"{row['name']}: {line}")
+    for service, values in report["leaks"].items():
+        print(f"after the runs {service} still holds {values}")
     print(
         f"hf {report['hf_s']} s, pdserve {report['pdserve_s']} s: "
         + ("pdserve scores what hf scores" if report["equal"] else "pdserve DIFFERS from hf")

@@ -69,6 +69,7 @@ def comparison(report: dict[str, Any], name: str) -> dict[str, Any]:
 def test_the_gate_passes(report: dict[str, Any]) -> None:
     assert report["returncode"] == 0, report["stdout"]
     assert report["equal"] is True
+    assert report["leaks"] == {}  # no parked KV, nothing running or in the decode's pool afterwards
     assert "pdserve scores what hf scores" in report["stdout"]
     assert [row["name"] for row in report["comparisons"]] == ["mc", "gen", "chat"]
 
