@@ -362,6 +362,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         leaks = held(ready) if ready is not None else {}
     return {
         "model": str(model_dir),
+        "served_model": name,
         "limit": args.limit,
         "ll_tolerance": args.ll_tolerance,
         "hf_s": round(hf_s, 1),
