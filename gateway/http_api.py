@@ -137,12 +137,12 @@ class OpenAIApi:
         params = dataclasses.replace(params, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         events: EventsFn = completion_events
         whole: BodyFn = completion
-        if body.echo or logprobs is not None or prompt_logprobs is not None:
-            shape, request = await self._completion_shape(body, request, params, echo_only)
-            events = functools.partial(completion_events, shape=shape)
-            whole = functools.partial(completion, shape=shape)
-        place = self._admission.take()
+        place = self._admission.take()  # before an echoed prompt is tokenized
         try:
+            if body.echo or logprobs is not None or prompt_logprobs is not None:
+                shape, request = await self._completion_shape(body, request, params, echo_only)
+                events = functools.partial(completion_events, shape=shape)
+                whole = functools.partial(completion, shape=shape)
             return await self._respond(raw, body, meta, request, params, events, whole, place)
         except BaseException:
             place.release()  # a response that streams gives it back when its stream ends

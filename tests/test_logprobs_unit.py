@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,8 @@ from gateway.openai_logprobs import (
     ranked,
 )
 from gateway.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.request_flow import _Progress
+from gateway.text_stream import TextStream
 from pdserve.config import EngineConfig, RequestLimits
 from pdserve.core.limits import ModelLimits
 from pdserve.core.logprobs import PROMPT_CHUNK, position_logprobs, prompt_logprobs, rows_logprobs, top_k
@@ -187,3 +190,25 @@ def test_request_counts_as_vllm() -> None:
         messages=[ChatMessage(role="user", content="x")], prompt_logprobs=2, stream=True
     )
     assert _error_param(lambda: chat_counts(chat, vocab, 20)) == "prompt_logprobs"
+
+
+def test_gateway_relays_logprobs_with_their_tokens(reference_models: Any) -> None:
+    """A response keeps the logprobs of the tokens it carries (a stop string cuts both alike); the
+    prompt's go on the first response only, and a resumed prefill does not ask for them again."""
+    _, tokenizer = reference_models("tiny-llama")
+    ids = tokenizer("the cat sat on the mat", add_special_tokens=False).input_ids[:4]
+    stop = tokenizer.decode(ids[2:3]).strip()
+    entries = [sampling_pb2.TokenLogprobs(token_id=t, logprob=-float(i)) for i, t in enumerate(ids)]
+    sampling = sampling_to_proto(SamplingParams(logprobs=1, prompt_logprobs=2, stop=(stop,)))
+    run = _Progress("r", [1, 2, 3], sampling, TextStream(tokenizer, (stop,)))
+    assert run.prefill_request().sampling.prompt_logprobs == 2
+    first, reason = run.relay(ids[:1], None, entries[:1], entries[1:3])
+    assert (
+        reason is None and list(first.logprobs) == entries[:1] and list(first.prompt_logprobs) == entries[1:3]
+    )
+    resumed = run.prefill_request()
+    assert not resumed.sampling.HasField("prompt_logprobs") and resumed.sampling.logprobs == 1
+    assert resumed.num_generated == 1 and run.sampling.prompt_logprobs == 2  # the request's own is kept
+    later, reason = run.relay(ids[1:], None, entries[1:], entries[1:3])
+    assert reason == "stop" and list(later.prompt_logprobs) == []
+    assert list(later.token_ids) == ids[1:3] and list(later.logprobs) == entries[1:3]
