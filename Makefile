@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEPS_STAMP := $(VENV)/.deps-installed
 
-.PHONY: run test lint typecheck pytest protos clean deps
+.PHONY: run test lint typecheck pytest protos clean deps eval
 
 deps: $(DEPS_STAMP)
 
@@ -35,6 +35,10 @@ pytest: deps
 	$(VENV)/bin/pytest
 
 test: lint typecheck pytest
+
+# lm-evaluation-harness through a disaggregated stack must score what its hf backend scores.
+eval: deps
+	$(PY) scripts/lm_eval_gate.py
 
 protos: deps
 	$(PY) scripts/gen_protos.py
