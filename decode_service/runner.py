@@ -7,7 +7,8 @@
    KV to its pool slot, and attends to its own positions up to that one (the rest of the longest
    row's length is masked);
 3. one forward of all rows through ``EngineModel.forward`` over a ``StepCache``;
-4. each row's token: the first maximum of its logits when greedy, else ``sample`` at its own step.
+4. each row's token: the first maximum of its logits when greedy, else ``sample`` at its own step;
+   a row with a structured output has its grammar's mask applied to its logits first.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from decode_service.kv_pool import KvPool
 from decode_service.sequence import DecodeSequence
 from decode_service.step_cache import BatchContext, StepCache, StepLayer
+from pdserve.core.grammar import apply_masks
 from pdserve.core.sampling import sample
 from pdserve.model.engine_model import EngineModel
 
@@ -103,6 +105,8 @@ class StepRunner:
         )
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[DecodeSequence]) -> list[int]:
+        if any(seq.grammar is not None for seq in rows):
+            apply_masks(logits, [seq.grammar for seq in rows])
         greedy = logits.max(dim=-1).indices.tolist()  # the first maximum, as argmax; faster on CPU
         return [
             int(greedy[i]) if seq.params.is_greedy else sample(logits[i], seq.params, step=seq.num_generated)

@@ -71,6 +71,8 @@ class Scheduler:
         for seq, token_id in zip(output.rows, output.token_ids, strict=True):
             seq.append_token(token_id)
             reason = finish_reason(token_id, seq.num_generated, seq.params, self._eos_token_ids)
+            if seq.grammar is not None:
+                reason = seq.grammar.finish_reason(reason)
             emissions.append(Emission(seq, (token_id,), reason))
             if reason is not None:
                 self._leave(seq)

@@ -37,6 +37,7 @@ import torch
 from transformers import DynamicCache
 
 from pdserve.core.finish import first_token_reason
+from pdserve.core.grammar import GrammarState, apply_masks
 from pdserve.core.sampling import SamplingParams, sample
 from pdserve.kv.layout import pack_into
 from pdserve.kv.transports import GLOO, Place
@@ -81,6 +82,7 @@ class _Pending:
     future: asyncio.Future[PrefillResult]
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     deadline: float | None = None  # time.monotonic()
+    grammar: GrammarState | None = None  # the structured output's state, when the request has one
 
 
 class PrefillEngine:
@@ -107,16 +109,26 @@ class PrefillEngine:
         params: SamplingParams,
         num_generated: int = 0,
         deadline: float | None = None,
+        grammar: GrammarState | None = None,
     ) -> PrefillResult:
         """``num_generated``: the last tokens of the prompt that the request generated before (a
         resumed request); its token is sampled at that step. ``deadline`` (``time.monotonic()``):
-        raises DeadlineExpired when it passes before the forward."""
+        raises DeadlineExpired when it passes before the forward. ``grammar``: the request's
+        structured output after those tokens; its mask applies to the token sampled."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[PrefillResult] = loop.create_future()
         with self._count_lock:
             self._num_waiting += 1
         self._queue.put(
-            _Pending(list(prompt_token_ids), params, num_generated, loop, future, deadline=deadline)
+            _Pending(
+                list(prompt_token_ids),
+                params,
+                num_generated,
+                loop,
+                future,
+                deadline=deadline,
+                grammar=grammar,
+            )
         )
         return await future
 
@@ -170,6 +182,7 @@ class PrefillEngine:
                     [p.prompt_token_ids for p in batch],
                     [p.params for p in batch],
                     [p.num_generated for p in batch],
+                    [p.grammar for p in batch],
                 )
             except Exception as exc:
                 logger.exception("prefill forward of %d requests failed", len(batch))
@@ -219,6 +232,7 @@ class PrefillEngine:
         prompts: Sequence[Sequence[int]],
         params: Sequence[SamplingParams],
         num_generated: Sequence[int],
+        grammars: Sequence[GrammarState | None] = (),
     ) -> list[PrefillResult]:
         m = self._m
         start = time.perf_counter()
@@ -240,11 +254,15 @@ class PrefillEngine:
             input_ids=input_ids.to(m.device), cache=cache, use_cache=True, logits_to_keep=1, **kwargs
         )
         logits = out.logits[:, -1]
+        apply_masks(logits, grammars)
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         results = []
         for row, (row_params, step) in enumerate(zip(params, num_generated, strict=True)):
             token = sample(logits[row], row_params, step=step)
             reason = first_token_reason(token, row_params, m.limits.eos_token_ids, self._token_text, step)
+            if grammars and (grammar := grammars[row]) is not None:
+                grammar.advance(token)
+                reason = grammar.finish_reason(reason)
             buffer = None
             if reason is None:
                 buffer = self._space.allocate(m.kv_layout.num_bytes(lengths[row]))

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.core.structured_output import StructuredOutput
+
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
 
@@ -26,6 +28,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    structured_output: StructuredOutput | None = None  # what the output must match
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

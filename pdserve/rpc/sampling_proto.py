@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pdserve.core.sampling import SamplingParams
+from pdserve.rpc.structured_output_proto import structured_from_proto, structured_to_proto
 from pdserve.v1 import sampling_pb2
 
 _DEFAULTS = SamplingParams()
@@ -19,6 +20,9 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        structured_output=structured_from_proto(msg.structured_output)
+        if msg.HasField("structured_output")
+        else None,
     )
 
 
@@ -34,4 +38,6 @@ def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.structured_output is not None:
+        msg.structured_output.CopyFrom(structured_to_proto(params.structured_output))
     return msg
