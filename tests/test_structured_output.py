@@ -47,7 +47,7 @@ def grammars(m: EngineModel) -> Grammars:
 def allowed(
     grammars: Grammars, output: StructuredOutput, generated: list[int], ignore_eos: bool = False
 ) -> set[int]:
-    logits = torch.zeros((1, grammars._vocab_size))
+    logits = torch.zeros((1, grammars.vocab_size))
     apply_masks(logits, [grammars.start(output, generated, ignore_eos)])
     return set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
 
@@ -132,16 +132,16 @@ def test_mask_allows_the_grammar_and_eos_only_where_it_may_end(m: EngineModel, g
     assert state.finish_reason(None) is None and not state.done
     state.advance(m.tokenizer.encode("3", add_special_tokens=False)[0])
     assert state.done and state.finish_reason(None) == STOP and state.finish_reason(LENGTH) == STOP
-    with pytest.raises(ValueError, match="does not match structured_output.regex"):
+    with pytest.raises(ValueError, match=r"does not match structured_output\.regex"):
         grammars.start(digits, m.tokenizer.encode("x", add_special_tokens=False), ignore_eos=False)
 
 
 def test_rows_without_a_grammar_keep_their_logits(grammars: Grammars) -> None:
-    logits = torch.randn(3, grammars._vocab_size)
+    logits = torch.randn(3, grammars.vocab_size)
     before = logits.clone()
     apply_masks(logits, [None, grammars.start(StructuredOutput("json_object"), [], False), None])
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
-    assert 0 < int(torch.isfinite(logits[1]).sum()) < grammars._vocab_size
+    assert 0 < int(torch.isfinite(logits[1]).sum()) < grammars.vocab_size
 
 
 def test_prefill_first_token_is_masked(m: EngineModel, grammars: Grammars) -> None:

@@ -138,6 +138,10 @@ class Grammars:
         self._ll_tokenizer: Any = None
         self._fresh: collections.OrderedDict[StructuredOutput, Any] = collections.OrderedDict()
 
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
     def start(self, output: StructuredOutput, generated: Sequence[int], ignore_eos: bool) -> GrammarState:
         """A request's state after ``generated`` (the tokens it generated before, in order).
         ValueError when the spec is not valid or the grammar refuses those tokens. May take long
