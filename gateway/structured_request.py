@@ -27,7 +27,7 @@ def structured_output(body: StructuredFields) -> StructuredOutput | None:
         return None
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
-        raise bad_request(f"give one structured output constraint, got {names}", found[1][0])
+        raise bad_request(f"give one structured output constraint, got {names}", found[1][0].split(".")[0])
     field, output = found[0]
     try:
         grammar_of(output)
