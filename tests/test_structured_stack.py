@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -46,12 +45,9 @@ MESSAGES = [{"role": "user", "content": "Describe an item."}]
 
 
 @pytest.fixture(scope="module")
-def stack(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    stack = Stack(
-        "tiny-llama", cache_dir, tmp_path_factory.mktemp("structured-logs"), gateway_args=["--http-port", "0"]
-    ).start()
-    yield stack
-    stack.stop()
+def stack(limits_stack: Stack) -> Stack:
+    """tiny-llama with HTTP on, shared with the input-limit tests."""
+    return limits_stack
 
 
 @pytest.fixture(scope="module")

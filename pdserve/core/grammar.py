@@ -152,6 +152,7 @@ class Grammars:
                 raise ValueError(
                     f"the generated token {i} ({token}) does not match structured_output.{output.kind}"
                 )
+        matcher.compute_bitmask()  # the lexer's first states are built here, not on the engine's thread
         return GrammarState(matcher, self._vocab_size, self._eos if ignore_eos else ())
 
     def _fresh_matcher(self, output: StructuredOutput) -> Any:
