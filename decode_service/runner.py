@@ -10,6 +10,7 @@
 4. each row's token: the first maximum of its logits when greedy, else ``sample`` at its own step;
    a row whose request asks for logprobs gets its token's from the same logits
    (``pdserve.core.logprobs``; a step of rows that ask none computes none).
+   a row with a structured output has its grammar's mask applied to its logits first.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from decode_service.kv_pool import KvPool
 from decode_service.sequence import DecodeSequence
 from decode_service.step_cache import BatchContext, StepCache, StepLayer
+from pdserve.core.grammar import apply_masks
 from pdserve.core.logprobs import TokenLogprobs, rows_logprobs
 from pdserve.core.sampling import sample
 from pdserve.model.engine_model import EngineModel
@@ -112,6 +114,8 @@ class StepRunner:
         )
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[DecodeSequence]) -> list[int]:
+        if any(seq.grammar is not None for seq in rows):
+            apply_masks(logits, [seq.grammar for seq in rows])
         greedy = logits.max(dim=-1).indices.tolist()  # the first maximum, as argmax; faster on CPU
         return [
             int(greedy[i]) if seq.params.is_greedy else sample(logits[i], seq.params, step=seq.num_generated)

@@ -72,6 +72,8 @@ class Scheduler:
             seq.append_token(token_id)
             reason = finish_reason(token_id, seq.num_generated, seq.params, self._eos_token_ids)
             entry = output.logprobs[i] if output.logprobs else None
+            if seq.grammar is not None:
+                reason = seq.grammar.finish_reason(reason)
             emissions.append(Emission(seq, (token_id,), reason, logprobs=(entry,) if entry else ()))
             if reason is not None:
                 self._leave(seq)

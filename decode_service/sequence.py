@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.core.grammar import GrammarState
 from pdserve.core.logprobs import TokenLogprobs
 from pdserve.core.sampling import SamplingParams
 
@@ -54,6 +55,7 @@ class DecodeSequence:
     release_kv: Callable[[], None] = field(default=lambda: None, repr=False)
     deadline: float | None = None  # time.monotonic(); None: none
     bypassed: int = 0  # admissions of later requests while this one, first in line, did not fit
+    grammar: GrammarState | None = None  # the structured output's state after the tokens so far
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -81,6 +83,8 @@ class DecodeSequence:
         self.num_cached += 1
         self.num_generated += 1
         self.last_token_id = token_id
+        if self.grammar is not None:
+            self.grammar.advance(token_id)
 
 
 @dataclass(frozen=True)

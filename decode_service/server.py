@@ -24,6 +24,7 @@ from decode_service.kv_source import KvSource
 from decode_service.metrics import DecodeMetrics
 from decode_service.servicer import DecodeServicer
 from pdserve.config import DecodeConfig
+from pdserve.core.grammar import Grammars
 from pdserve.hosting.service_kind import RankParts, ServiceKind
 from pdserve.hosting.service_main import serve_service
 from pdserve.kv import cuda_ipc, shared_memory
@@ -110,6 +111,7 @@ def build_decode(
         engine_model.limits,
         config.max_decode_waiting,
         config.max_pulled_waiting or config.max_running,
+        Grammars(engine_model.tokenizer, engine_model.limits.vocab_size, engine_model.limits.eos_token_ids),
     )
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server.server)
     return DecodeParts(engine_model, metrics, engine, source, known)

@@ -30,6 +30,7 @@ from decode_service.engine import DecodeEngine
 from decode_service.kv_source import KvSource, PulledKv
 from decode_service.metrics import DecodeMetrics
 from decode_service.sequence import DeadlineExpired, DecodeSequence, Emission
+from pdserve.core.grammar import Grammars, GrammarState
 from pdserve.core.limits import ModelLimits
 from pdserve.core.logprobs import check_count
 from pdserve.core.sampling import SamplingParams
@@ -63,8 +64,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         limits: ModelLimits,
         max_waiting: int = 256,
         max_pulled: int = 64,
+        grammars: Grammars | None = None,
     ) -> None:
         self._engine = engine
+        self._grammars = grammars  # None: structured outputs are refused
         self._limits = limits
         self._kv_source = kv_source
         self._metrics = metrics
@@ -92,7 +95,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def _run(self, tag: int, request: decode_pb2.DecodeRequest, stream: UpdateStream) -> None:
         """One request of a call, until its last update; cancelling this cancels it."""
         deadline = time.monotonic() + request.timeout_s if request.timeout_s > 0 else None
-        params, pulled = await self._prepare(request, deadline)
+        params, pulled, grammar = await self._prepare(request, deadline)
         ended = asyncio.get_running_loop().create_future()
 
         def emit(emission: Emission) -> None:
@@ -114,6 +117,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             release_kv=pulled.release,
             deadline=deadline,
             num_generated=request.num_generated + 1,
+            grammar=grammar,
         )
         self._engine.submit(seq)
         try:
@@ -123,7 +127,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def _prepare(
         self, request: decode_pb2.DecodeRequest, deadline: float | None
-    ) -> tuple[SamplingParams, PulledKv]:
+    ) -> tuple[SamplingParams, PulledKv, GrammarState | None]:
         """Validates a request, waits for room and pulls its KV; raises RpcError with the status to
         answer."""
         self._metrics.requests.inc()
@@ -149,6 +153,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 )
             _check_resumed(request, params)
             check_count("sampling.logprobs", params.logprobs, self._limits.vocab_size)
+            grammar = await self._grammar(request, params)
         except ValueError as exc:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         needed = request.kv_handle.num_tokens + params.max_tokens - 1 - request.num_generated
@@ -176,7 +181,33 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise
         finally:
             self._held -= 1
-        return params, pulled
+        return params, pulled, grammar
+
+    async def _grammar(
+        self, request: decode_pb2.DecodeRequest, params: SamplingParams
+    ) -> GrammarState | None:
+        """The structured output's state after the request's generated tokens, first token included
+        (built off the event loop); ValueError when they do not fit it."""
+        generated = request.generated_token_ids
+        if params.structured_output is None:
+            if generated:
+                raise ValueError("generated_token_ids is only for requests with a structured output")
+            return None
+        if self._grammars is None:
+            raise ValueError("this decode serves no structured output")
+        if len(generated) != request.num_generated:
+            raise ValueError(
+                f"generated_token_ids has {len(generated)} ids; a structured output needs the "
+                f"num_generated = {request.num_generated} tokens before first_token_id"
+            )
+        tokens = [*generated, request.first_token_id]
+        if any(not 0 <= t < self._limits.vocab_size for t in tokens):
+            raise ValueError(
+                f"generated_token_ids must be inside the vocabulary [0, {self._limits.vocab_size})"
+            )
+        return await asyncio.to_thread(
+            self._grammars.start, params.structured_output, tokens, params.ignore_eos
+        )
 
     async def _wait_for_room(self, deadline: float | None) -> None:
         """Returns once the engine can admit one more request soon; in arrival order."""

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.openai_structured import StructuredFields
+
 # --- requests ------------------------------------------------------------------------------------
 
 
@@ -17,7 +19,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StructuredFields):
     """What completions and chat completions share; ``top_k`` and ``ignore_eos`` as vLLM has them."""
 
     model_config = ConfigDict(extra="ignore")

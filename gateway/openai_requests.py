@@ -15,6 +15,7 @@ from gateway.openai_models import (
     FinishReason,
     SamplingFields,
 )
+from gateway.structured_request import structured_output
 from pdserve.core.finish import EOS, LENGTH, STOP
 from pdserve.core.sampling import SamplingParams
 from pdserve.v1 import gateway_pb2
@@ -42,6 +43,7 @@ def sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         n=body.n,
+        structured_output=structured_output(body),
     )
 
 

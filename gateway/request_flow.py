@@ -70,6 +70,7 @@ from gateway.prompt_input import PromptInput
 from gateway.request_metrics import RequestTimer
 from gateway.text_stream import TextChunk, TextStream
 from pdserve.core.finish import STOP
+from pdserve.core.grammar import grammar_of
 from pdserve.core.sampling import SamplingParams
 from pdserve.kv.handle import describe
 from pdserve.rpc.errors import RpcError, status_code
@@ -239,6 +240,8 @@ class RequestFlow:
         deadline: Deadline,
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         request_id = request.request_id or secrets.token_hex(8)
+        if (structured := params.structured_output) is not None:  # refused before any backend call
+            await self._prompts.off_loop(lambda: grammar_of(structured))
         prompt_ids = await self._prompts.token_ids(request, params)
         if not params.is_greedy and params.seed is None:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
@@ -446,6 +449,10 @@ class RequestFlow:
                 sampling=run.sampling,
                 timeout_s=timeout_s,
                 num_generated=step,
+                # a structured output's decode rebuilds its grammar from every token before
+                generated_token_ids=run.delivered[:step]
+                if run.sampling.HasField("structured_output")
+                else (),
             )
         )
 

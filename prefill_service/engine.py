@@ -42,13 +42,14 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from pdserve.core.grammar import GrammarState, apply_masks
 from pdserve.core.logprobs import TokenLogprobs, position_logprobs, prompt_logprobs
 from pdserve.core.sampling import SamplingParams
 from pdserve.kv.layout import pack_into
 from pdserve.kv.transports import GLOO, Place
 from pdserve.model.engine_model import EngineModel
 from pdserve.model.warm_up import WarmUp
-from prefill_service.first_choices import FirstToken, continues, first_tokens
+from prefill_service.first_choices import FirstToken, continues, first_tokens, with_grammar
 from prefill_service.kv_space import KvSpace, ParkedBuffer
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class _Pending:
     future: asyncio.Future[PrefillResult]
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     deadline: float | None = None  # time.monotonic()
+    grammar: GrammarState | None = None  # the structured output's state, when the request has one
 
 
 class PrefillEngine:
@@ -118,16 +120,26 @@ class PrefillEngine:
         params: SamplingParams,
         num_generated: int = 0,
         deadline: float | None = None,
+        grammar: GrammarState | None = None,
     ) -> PrefillResult:
         """``num_generated``: the last tokens of the prompt that the request generated before (a
         resumed request); its token is sampled at that step. ``deadline`` (``time.monotonic()``):
-        raises DeadlineExpired when it passes before the forward."""
+        raises DeadlineExpired when it passes before the forward. ``grammar``: the request's
+        structured output after those tokens; its mask applies to the token sampled."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[PrefillResult] = loop.create_future()
         with self._count_lock:
             self._num_waiting += 1
         self._queue.put(
-            _Pending(list(prompt_token_ids), params, num_generated, loop, future, deadline=deadline)
+            _Pending(
+                list(prompt_token_ids),
+                params,
+                num_generated,
+                loop,
+                future,
+                deadline=deadline,
+                grammar=grammar,
+            )
         )
         return await future
 
@@ -181,6 +193,7 @@ class PrefillEngine:
                     [p.prompt_token_ids for p in batch],
                     [p.params for p in batch],
                     [p.num_generated for p in batch],
+                    [p.grammar for p in batch],
                 )
             except Exception as exc:
                 logger.exception("prefill forward of %d requests failed", len(batch))
@@ -235,6 +248,7 @@ class PrefillEngine:
         prompts: Sequence[Sequence[int]],
         params: Sequence[SamplingParams],
         num_generated: Sequence[int],
+        grammars: Sequence[GrammarState | None] = (),
     ) -> list[PrefillResult]:
         m = self._m
         start = time.perf_counter()
@@ -257,10 +271,13 @@ class PrefillEngine:
             input_ids=input_ids.to(m.device), cache=cache, use_cache=True, logits_to_keep=keep, **kwargs
         )
         logits = out.logits[:, -1]
+        apply_masks(logits, grammars)
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         results = []
         for row, (row_params, step) in enumerate(zip(params, num_generated, strict=True)):
             choices = first_tokens(logits[row], row_params, step, m.limits.eos_token_ids, self._token_text)
+            if grammars and (grammar := grammars[row]) is not None:
+                choices = with_grammar(choices, grammar)
             token, reason = choices[0].token_id, choices[0].finish_reason
             buffer = None
             if continues(choices):

@@ -15,6 +15,7 @@ import torch
 
 from pdserve.core.choices import choice_params
 from pdserve.core.finish import first_token_reason
+from pdserve.core.grammar import GrammarState
 from pdserve.core.sampling import SamplingParams, sample
 
 
@@ -45,3 +46,14 @@ def first_tokens(
 def continues(tokens: tuple[FirstToken, ...]) -> bool:
     """Whether any choice goes on to decode (its KV is then parked)."""
     return any(token.finish_reason is None for token in tokens)
+
+
+def with_grammar(tokens: tuple[FirstToken, ...], grammar: GrammarState) -> tuple[FirstToken, ...]:
+    """``tokens`` with their finish reasons under the request's structured output: each choice
+    advances its own copy of ``grammar`` (whose mask its token was sampled under) by its token."""
+    finished = []
+    for index, token in enumerate(tokens):
+        state = grammar if index == len(tokens) - 1 else grammar.copy()
+        state.advance(token.token_id)
+        finished.append(FirstToken(token.token_id, state.finish_reason(token.finish_reason)))
+    return tuple(finished)

@@ -7,6 +7,7 @@ time the real pull path.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -14,6 +15,8 @@ from typing import Any, NoReturn
 
 import grpc
 
+from pdserve.core.grammar import Grammars, GrammarState
+from pdserve.core.sampling import SamplingParams
 from pdserve.kv.channel import TransferError
 from pdserve.kv.handle import HANDLE_ID_BYTES, MIN_GENERATION_METADATA, HandleIssuer, is_handle_id
 from pdserve.kv.pair_secret import generation_problem, pair_key, pull_problem
@@ -228,9 +231,13 @@ class PrefillServicer(KvHandoffServicer):
         issuer: HandleIssuer,
         lender: KvLender,
         max_waiting: int = 1024,
+        grammars: Grammars | None = None,
     ) -> None:
         super().__init__(registry, sender, metrics, lender)
         self._m = engine_model
+        self._grammars = grammars or Grammars(
+            engine_model.tokenizer, engine_model.limits.vocab_size, engine_model.limits.eos_token_ids
+        )
         self._engine = engine
         self._issuer = issuer
         self._max_waiting = max_waiting
@@ -241,6 +248,7 @@ class PrefillServicer(KvHandoffServicer):
             self._m.limits.check_request(request.prompt_token_ids, params, request.num_generated)
             if not params.is_greedy and params.seed is None:
                 raise ValueError("sampling.seed must be set on prefill requests that sample")
+            grammar = await self._grammar(request, params)
         except ValueError as exc:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self._engine.num_waiting >= self._max_waiting:
@@ -255,7 +263,9 @@ class PrefillServicer(KvHandoffServicer):
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            result = await self._engine.run(request.prompt_token_ids, params, request.num_generated, deadline)
+            result = await self._engine.run(
+                request.prompt_token_ids, params, request.num_generated, deadline, grammar
+            )
         except ForwardUnavailable as exc:
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"prefill could not run: {exc}")
         except DeadlineExpired:
@@ -288,6 +298,18 @@ class PrefillServicer(KvHandoffServicer):
                 queue_seconds=result.queue_seconds,
             ),
             result,
+        )
+
+    async def _grammar(
+        self, request: prefill_pb2.PrefillRequest, params: SamplingParams
+    ) -> GrammarState | None:
+        """The structured output's state after the tokens the request generated before (the end of
+        its prompt), built off the event loop; ValueError when the spec or those tokens are refused."""
+        if params.structured_output is None:
+            return None
+        generated = list(request.prompt_token_ids[len(request.prompt_token_ids) - request.num_generated :])
+        return await asyncio.to_thread(
+            self._grammars.start, params.structured_output, generated, params.ignore_eos
         )
 
 

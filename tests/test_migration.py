@@ -10,6 +10,7 @@ seeded requests run before on the same stack. Afterwards nothing is left parked 
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -350,4 +351,29 @@ def test_a_bad_num_generated_is_invalid_argument_on_decode(stack: Stack, num_gen
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "num_generated" in (info.value.details() or "")
     asyncio.run(_release(stack, parked.kv_handle))
+    assert_no_leaks(stack)
+
+
+def test_structured_streams_continue_their_grammar_when_their_decode_is_killed(stack: Stack) -> None:
+    """The moved decode rebuilds each stream's grammar from the tokens delivered so far: the output
+    still matches, token for token what the undisturbed run gave."""
+    pattern = "[a-z ]{200}"
+    requests = [
+        make_request(
+            prompt_token_ids=p,
+            max_tokens=NUM_TOKENS,
+            temperature=1.0,
+            seed=2000 + i,
+            structured_output=sampling_pb2.StructuredOutput(regex=pattern),
+        )
+        for i, p in enumerate(_prompts(5))
+    ]
+    undisturbed = asyncio.run(generate_many(stack.address, requests))
+    assert all(r.finish_reason == "stop" and re.fullmatch(pattern, r.text) for r in undisturbed)
+    streams, victim, moved = _disturbed(stack, requests, lambda v: v.signal(signal.SIGKILL))
+    assert moved >= 1, "no stream was on the killed decode"
+    for expected, s in zip(undisturbed, streams, strict=True):
+        assert s.tokens == expected.token_ids
+    _restart(victim)
+    _both_serving(stack)
     assert_no_leaks(stack)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.core.structured_output import StructuredOutput
+
 _GOLDEN = 0x9E3779B97F4A7C15
 MAX_CHOICES = 128  # the most choices (``n``) of one request any service takes
 _MASK64 = (1 << 64) - 1
@@ -33,6 +35,7 @@ class SamplingParams:
     # prompt token's after the first).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None  # what the output must match
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pdserve.core.sampling import SamplingParams
+from pdserve.rpc.structured_output_proto import structured_from_proto, structured_to_proto
 from pdserve.v1 import sampling_pb2
 
 _DEFAULTS = SamplingParams()
@@ -22,6 +23,9 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
         n=msg.n if msg.HasField("n") else _DEFAULTS.n,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        structured_output=structured_from_proto(msg.structured_output)
+        if msg.HasField("structured_output")
+        else None,
     )
 
 
@@ -43,4 +47,6 @@ def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
         msg.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
+    if params.structured_output is not None:
+        msg.structured_output.CopyFrom(structured_to_proto(params.structured_output))
     return msg
