@@ -7,7 +7,8 @@
    KV to its pool slot, and attends to its own positions up to that one (the rest of the longest
    row's length is masked);
 3. one forward of all rows through ``EngineModel.forward`` over a ``StepCache``;
-4. each row's token: the first maximum of its logits when greedy, else ``sample`` at its own step.
+4. each row's token: the first maximum of its logits when greedy, else ``sample`` at its own step;
+   a row with logits processors (``pdserve.core.logits_processing``) has them applied first.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from decode_service.kv_pool import KvPool
 from decode_service.sequence import DecodeSequence
 from decode_service.step_cache import BatchContext, StepCache, StepLayer
+from pdserve.core.logits_processing import LogitsProcessor, pick
 from pdserve.core.sampling import sample
 from pdserve.model.engine_model import EngineModel
 
@@ -104,7 +106,22 @@ class StepRunner:
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[DecodeSequence]) -> list[int]:
         greedy = logits.max(dim=-1).indices.tolist()  # the first maximum, as argmax; faster on CPU
-        return [
+        tokens = [
             int(greedy[i]) if seq.params.is_greedy else sample(logits[i], seq.params, step=seq.num_generated)
             for i, seq in enumerate(rows)
+            if seq.processor is None
         ]
+        if len(tokens) == len(rows):
+            return tokens
+        fast = iter(tokens)
+        return [
+            next(fast) if seq.processor is None else _processed(logits[i], seq, seq.processor)
+            for i, seq in enumerate(rows)
+        ]
+
+
+def _processed(logits: torch.Tensor, seq: DecodeSequence, processor: LogitsProcessor) -> int:
+    """The token of a row with logits processors, which then count it."""
+    token = pick(logits, seq.params, seq.num_generated, processor)
+    processor.append(token)
+    return token

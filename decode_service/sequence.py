@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.core.logits_processing import LogitsProcessor
 from pdserve.core.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class DecodeSequence:
     release_kv: Callable[[], None] = field(default=lambda: None, repr=False)
     deadline: float | None = None  # time.monotonic(); None: none
     bypassed: int = 0  # admissions of later requests while this one, first in line, did not fit
+    # The request's logits processors (penalties, min_tokens, ...); None: the fast path.
+    processor: LogitsProcessor | None = field(default=None, repr=False)
 
     def cancel(self) -> None:
         self.cancelled.set()

@@ -32,6 +32,7 @@ from gateway.openai_models import (
     CompletionChoice,
     Delta,
     FinishReason,
+    StopReason,
     Usage,
 )
 from gateway.openai_requests import openai_finish_reason
@@ -52,8 +53,9 @@ class ResponseMeta:
     model: str
 
     @classmethod
-    def new(cls, prefix: str, model: str) -> ResponseMeta:
-        return cls(f"{prefix}-{secrets.token_hex(12)}", int(time.time()), model)
+    def new(cls, prefix: str, model: str, request_id: str | None = None) -> ResponseMeta:
+        """``request_id``: the client's (vLLM's field), else a random one."""
+        return cls(f"{prefix}-{request_id or secrets.token_hex(12)}", int(time.time()), model)
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Totals:
     completion_tokens: int = 0
     text: str = ""
     finish_reason: FinishReason | None = None
+    stop_reason: StopReason = None
 
     def add(self, response: gateway_pb2.GenerateResponse) -> FinishReason | None:
         """Counts one response; its OpenAI finish reason, or None while the request goes on."""
@@ -71,6 +74,7 @@ class Totals:
         self.text += response.text
         if response.finish_reason:
             self.finish_reason = openai_finish_reason(response.finish_reason)
+            self.stop_reason = stop_reason(response)
         return self.finish_reason
 
     def usage(self) -> Usage:
@@ -141,7 +145,11 @@ def completion(meta: ResponseMeta, totals: Totals) -> Completion:
         id=meta.id,
         created=meta.created,
         model=meta.model,
-        choices=[CompletionChoice(text=totals.text, finish_reason=totals.finish_reason or "stop")],
+        choices=[
+            CompletionChoice(
+                text=totals.text, finish_reason=totals.finish_reason or "stop", stop_reason=totals.stop_reason
+            )
+        ],
         usage=totals.usage(),
     )
 
@@ -153,7 +161,9 @@ def chat_completion(meta: ResponseMeta, totals: Totals) -> ChatCompletion:
         model=meta.model,
         choices=[
             ChatChoice(
-                message=AssistantMessage(content=totals.text), finish_reason=totals.finish_reason or "stop"
+                message=AssistantMessage(content=totals.text),
+                finish_reason=totals.finish_reason or "stop",
+                stop_reason=totals.stop_reason,
             )
         ],
         usage=totals.usage(),
@@ -172,7 +182,9 @@ async def completion_events(
         async for response in _chain(first, rest):
             reason = totals.add(response)
             if response.text or reason is not None:
-                choice = CompletionChoice(text=response.text, finish_reason=reason)
+                choice = CompletionChoice(
+                    text=response.text, finish_reason=reason, stop_reason=totals.stop_reason
+                )
                 yield sse(Completion(id=meta.id, created=meta.created, model=meta.model, choices=[choice]))
         if include_usage:
             yield sse(
@@ -191,7 +203,7 @@ async def chat_events(
     meta: ResponseMeta, first: gateway_pb2.GenerateResponse, rest: Responses, include_usage: bool
 ) -> AsyncGenerator[str, None]:
     def chunk(delta: Delta, reason: FinishReason | None = None) -> str:
-        choice = ChatChunkChoice(delta=delta, finish_reason=reason)
+        choice = ChatChunkChoice(delta=delta, finish_reason=reason, stop_reason=totals.stop_reason)
         return sse(ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice]))
 
     totals = Totals()
@@ -214,3 +226,13 @@ async def chat_events(
     finally:
         await rest.aclose()
     yield DONE
+
+
+def stop_reason(response: gateway_pb2.GenerateResponse) -> StopReason:
+    """The stop string or stop token id that ended the request (vLLM's ``stop_reason``), else None."""
+    which = response.WhichOneof("stop_reason")
+    if which == "stop_string":
+        return response.stop_string
+    if which == "stop_token_id":
+        return response.stop_token_id
+    return None

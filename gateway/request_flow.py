@@ -58,7 +58,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.prompt_input import PromptInput
 from gateway.request_metrics import RequestTimer
 from gateway.text_stream import TextChunk, TextStream
-from pdserve.core.finish import STOP
+from pdserve.core.finish import EOS, STOP
 from pdserve.core.sampling import SamplingParams
 from pdserve.kv.handle import describe
 from pdserve.rpc.errors import RpcError, status_code
@@ -120,6 +120,8 @@ class _Progress:
     sampling: Any
     text: TextStream
     delivered: list[int] = field(default_factory=list)  # token ids relayed to the client, in order
+    history: bool = False  # decode needs the KV's token ids (the penalties count them)
+    hide_stop_token: bool = True  # a stop token's text is not returned (include_stop_str_in_output off)
 
     def prefill_request(self) -> prefill_pb2.PrefillRequest:
         """The prefill of the request from where it is: the prompt, then every delivered token."""
@@ -135,7 +137,13 @@ class _Progress:
     ) -> tuple[gateway_pb2.GenerateResponse, str | None]:
         """The response carrying ``token_ids`` (the text they make final, stop strings applied) and
         the request's finish reason after them; its tokens count as delivered."""
-        chunk = self.text.add(token_ids)
+        stop_token = token_ids[-1] if reason in (STOP, EOS) and token_ids else None
+        if stop_token is not None and self.hide_stop_token:  # its text is left out, as vLLM
+            chunk = self.text.add(token_ids[:-1])
+            if not chunk.stopped:
+                chunk = TextChunk([*chunk.token_ids, stop_token], chunk.text, False)
+        else:
+            chunk = self.text.add(token_ids)
         reason = STOP if chunk.stopped else reason
         if reason is not None and not chunk.stopped:
             chunk = _join(chunk, self.text.finish())
@@ -147,7 +155,15 @@ class _Progress:
             request_id=self.request_id if first else "",
             num_prompt_tokens=len(self.prompt_ids) if first else 0,
         )
+        if chunk.stopped and self.text.matched is not None:
+            response.stop_string = self.text.matched
+        elif reason == STOP and stop_token is not None:
+            response.stop_token_id = stop_token
         return response, reason
+
+    def kv_token_ids(self, step: int) -> list[int]:
+        """The token ids the KV of the prefill's token at ``step`` holds, when decode needs them."""
+        return self.prompt_ids + self.delivered[:step] if self.history else []
 
 
 class RequestFlow:
@@ -206,7 +222,12 @@ class RequestFlow:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         started = time.perf_counter()
         run = _Progress(
-            request_id, list(prompt_ids), sampling_to_proto(params), TextStream(self._tokenizer, params.stop)
+            request_id,
+            list(prompt_ids),
+            sampling_to_proto(params),
+            TextStream(self._tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens),
+            history=params.needs_history,
+            hide_stop_token=not params.include_stop_str_in_output,
         )
 
         prefill, first, sent_at = await self._prefill(
@@ -361,6 +382,7 @@ class RequestFlow:
                 sampling=run.sampling,
                 timeout_s=timeout_s,
                 num_generated=step,
+                prompt_token_ids=run.kv_token_ids(step),
             )
         )
 

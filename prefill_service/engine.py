@@ -37,7 +37,8 @@ import torch
 from transformers import DynamicCache
 
 from pdserve.core.finish import first_token_reason
-from pdserve.core.sampling import SamplingParams, sample
+from pdserve.core.logits_processing import pick, request_processor
+from pdserve.core.sampling import SamplingParams
 from pdserve.kv.layout import pack_into
 from pdserve.kv.transports import GLOO, Place
 from pdserve.model.engine_model import EngineModel
@@ -243,7 +244,8 @@ class PrefillEngine:
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         results = []
         for row, (row_params, step) in enumerate(zip(params, num_generated, strict=True)):
-            token = sample(logits[row], row_params, step=step)
+            processor = request_processor(row_params, m.limits.eos_token_ids, prompts[row], step)
+            token = pick(logits[row], row_params, step, processor)
             reason = first_token_reason(token, row_params, m.limits.eos_token_ids, self._token_text, step)
             buffer = None
             if reason is None:
