@@ -111,6 +111,12 @@ def mix_seed(seed: int, step: int) -> int:
     return (seed ^ ((step + 1) * _GOLDEN)) & _MASK64
 
 
+def min_p_filter(scores: torch.Tensor, min_p: float) -> torch.Tensor:
+    """``scores`` with every token less likely than ``min_p`` times the top token masked."""
+    probs = torch.softmax(scores, dim=-1)
+    return scores.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_p, float("-inf"))
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     """Samples one token id from one row of logits ``[vocab]`` at generation step ``step``."""
     if params.is_greedy:
@@ -119,8 +125,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
         raise ValueError("a sampled (temperature > 0) request needs a seed")
     scores = logits.float() / params.temperature
     if params.min_p > 0:  # after temperature, before top-k and top-p, as vLLM
-        probs = torch.softmax(scores, dim=-1)
-        scores = scores.masked_fill(probs < probs.max() * params.min_p, float("-inf"))
+        scores = min_p_filter(scores, params.min_p)
     if 0 < params.top_k < scores.numel():
         keep = torch.topk(scores, params.top_k).indices
         scores = torch.full_like(scores, float("-inf")).scatter(0, keep, scores[keep])
