@@ -122,6 +122,7 @@ class _Progress:
     delivered: list[int] = field(default_factory=list)  # token ids relayed to the client, in order
     history: bool = False  # decode needs the KV's token ids (the penalties count them)
     hide_stop_token: bool = True  # a stop token's text is not returned (include_stop_str_in_output off)
+    stop_token_ids: frozenset[int] = frozenset()
 
     def prefill_request(self) -> prefill_pb2.PrefillRequest:
         """The prefill of the request from where it is: the prompt, then every delivered token."""
@@ -137,7 +138,7 @@ class _Progress:
     ) -> tuple[gateway_pb2.GenerateResponse, str | None]:
         """The response carrying ``token_ids`` (the text they make final, stop strings applied) and
         the request's finish reason after them; its tokens count as delivered."""
-        stop_token = token_ids[-1] if reason in (STOP, EOS) and token_ids else None
+        stop_token = self._stop_token(token_ids, reason)
         if stop_token is not None and self.hide_stop_token:  # its text is left out, as vLLM
             chunk = self.text.add(token_ids[:-1])
             if not chunk.stopped:
@@ -160,6 +161,14 @@ class _Progress:
         elif reason == STOP and stop_token is not None:
             response.stop_token_id = stop_token
         return response, reason
+
+    def _stop_token(self, token_ids: list[int], reason: str | None) -> int | None:
+        """The token that ends the request by the token rules (EOS, a stop token), or None (a stop
+        string in the prefill's token also ends it with "stop")."""
+        if not token_ids or reason not in (STOP, EOS):
+            return None
+        last = token_ids[-1]
+        return last if reason == EOS or last in self.stop_token_ids else None
 
     def kv_token_ids(self, step: int) -> list[int]:
         """The token ids the KV of the prefill's token at ``step`` holds, when decode needs them."""
@@ -228,6 +237,7 @@ class RequestFlow:
             TextStream(self._tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens),
             history=params.needs_history,
             hide_stop_token=not params.include_stop_str_in_output,
+            stop_token_ids=frozenset(params.stop_token_ids),
         )
 
         prefill, first, sent_at = await self._prefill(

@@ -394,3 +394,21 @@ def test_decode_refuses_hostile_history_directly(sampling_stack: SamplingStack) 
         request([1, 2, 3], min_tokens=5),
     ):
         assert asyncio.run(call(hostile)) == grpc.StatusCode.INVALID_ARGUMENT, hostile
+
+
+def test_stop_string_in_the_first_token(sampling_stack: SamplingStack) -> None:
+    """The prefill's token alone holds the stop string: the request ends there, its text cut before
+    the string, and the string (not the token) is the stop_reason."""
+    s = sampling_stack
+    first = run(s.stack.address, make_request(prompt_token_ids=PROMPTS[0], max_tokens=1, **greedy(1.0))).text
+    stop = first.strip()[-1:]
+    assert stop, first
+    got = s.client.completions.create(
+        model=MODEL_ID, prompt=PROMPTS[0], max_tokens=8, stop=[stop], extra_body=greedy(1.0)
+    )
+    choice = got.choices[0]
+    assert (choice.text, choice.finish_reason, choice.stop_reason) == (
+        first[: first.index(stop)],
+        "stop",
+        stop,
+    )  # type: ignore[attr-defined]
