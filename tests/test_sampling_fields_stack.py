@@ -24,7 +24,7 @@ from pdserve.core.finish import finish_reason
 from pdserve.core.logits_processing import pick, request_processor
 from pdserve.core.sampling import SamplingParams
 from pdserve.rpc.sampling_proto import sampling_from_proto, sampling_to_proto
-from pdserve.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, sampling_pb2
+from pdserve.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from tests.conftest import EOS_PROMPT, assert_no_leaks, eos_model_copy
 from tests.grpc_client import generate_many, make_request, run
 from tests.stack import Stack, internal_aio_channel
@@ -412,3 +412,47 @@ def test_stop_string_in_the_first_token(sampling_stack: SamplingStack) -> None:
         "stop",
         stop,
     )  # type: ignore[attr-defined]
+
+
+def test_a_resumed_request_counts_its_generated_tokens_as_output(sampling_stack: SamplingStack) -> None:
+    """A request prefilled again after 5 tokens (as the gateway resumes one whose decode was lost),
+    then decoded from that KV, gives the tokens of the undisturbed one-process run: its 5 tokens
+    count as output for the penalties and min_tokens, on the prefill and on the decode."""
+    s = sampling_stack
+    prompt = PROMPTS[0]
+    params = SamplingParams(
+        max_tokens=12, temperature=1.0, seed=7, presence_penalty=1.5, frequency_penalty=0.5,
+        repetition_penalty=1.3, min_tokens=9,
+    )  # fmt: skip
+    params = sampling_from_proto(sampling_to_proto(params))  # as float32, as the engines see it
+    ref = one_process(s, prompt, params)
+    assert len(ref) >= 9
+    kv_ids = prompt + ref[:5]
+
+    async def resumed() -> tuple[int, list[int]]:
+        async with internal_aio_channel(s.stack.prefills[0].grpc) as channel:
+            first = await prefill_pb2_grpc.PrefillStub(channel).Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id="resumed",
+                    prompt_token_ids=kv_ids,
+                    sampling=sampling_to_proto(params),
+                    num_generated=5,
+                ),
+                timeout=60,
+            )
+        tokens: list[int] = []
+        async with internal_aio_channel(s.stack.decodes[0].grpc) as channel:
+            request = decode_pb2.DecodeRequest(
+                request_id="resumed",
+                kv_handle=first.kv_handle,
+                first_token_id=first.first_token_id,
+                sampling=sampling_to_proto(params),
+                num_generated=5,
+                prompt_token_ids=kv_ids,
+            )
+            async for response in decode_pb2_grpc.DecodeStub(channel).Decode(request, timeout=60):
+                tokens.extend(response.token_ids)
+        return first.first_token_id, tokens
+
+    first, rest = asyncio.run(resumed())
+    assert [*ref[:5], first, *rest] == ref
