@@ -11,6 +11,7 @@
    a row whose request asks for logprobs gets its token's from the same logits
    (``pdserve.core.logprobs``; a step of rows that ask none computes none).
    a row with a structured output has its grammar's mask applied to its logits first.
+   a row with logits processors (``pdserve.core.logits_processing``) has them applied first.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from decode_service.kv_pool import KvPool
 from decode_service.sequence import DecodeSequence
 from decode_service.step_cache import BatchContext, StepCache, StepLayer
 from pdserve.core.grammar import apply_masks
+from pdserve.core.logits_processing import LogitsProcessor, pick
 from pdserve.core.logprobs import TokenLogprobs, rows_logprobs
 from pdserve.core.sampling import sample
 from pdserve.model.engine_model import EngineModel
@@ -117,7 +119,22 @@ class StepRunner:
         if any(seq.grammar is not None for seq in rows):
             apply_masks(logits, [seq.grammar for seq in rows])
         greedy = logits.max(dim=-1).indices.tolist()  # the first maximum, as argmax; faster on CPU
-        return [
+        tokens = [
             int(greedy[i]) if seq.params.is_greedy else sample(logits[i], seq.params, step=seq.num_generated)
             for i, seq in enumerate(rows)
+            if seq.processor is None
         ]
+        if len(tokens) == len(rows):
+            return tokens
+        fast = iter(tokens)
+        return [
+            next(fast) if seq.processor is None else _processed(logits[i], seq, seq.processor)
+            for i, seq in enumerate(rows)
+        ]
+
+
+def _processed(logits: torch.Tensor, seq: DecodeSequence, processor: LogitsProcessor) -> int:
+    """The token of a row with logits processors, which then count it."""
+    token = pick(logits, seq.params, seq.num_generated, processor)
+    processor.append(token)
+    return token

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.core.grammar import GrammarState
+from pdserve.core.logits_processing import LogitsProcessor
 from pdserve.core.logprobs import TokenLogprobs
 from pdserve.core.sampling import SamplingParams
 
@@ -56,6 +57,8 @@ class DecodeSequence:
     deadline: float | None = None  # time.monotonic(); None: none
     bypassed: int = 0  # admissions of later requests while this one, first in line, did not fit
     grammar: GrammarState | None = None  # the structured output's state after the tokens so far
+    # The request's logits processors (penalties, min_tokens, ...); None: the fast path.
+    processor: LogitsProcessor | None = field(default=None, repr=False)
 
     def cancel(self) -> None:
         self.cancelled.set()

@@ -32,6 +32,7 @@ from decode_service.metrics import DecodeMetrics
 from decode_service.sequence import DeadlineExpired, DecodeSequence, Emission
 from pdserve.core.grammar import Grammars, GrammarState
 from pdserve.core.limits import ModelLimits
+from pdserve.core.logits_processing import LogitsProcessor, request_processor
 from pdserve.core.logprobs import check_count
 from pdserve.core.sampling import SamplingParams
 from pdserve.model.engine_model import ForwardUnavailable
@@ -118,6 +119,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             deadline=deadline,
             num_generated=request.num_generated + 1,
             grammar=grammar,
+            processor=decode_processor(request, params, self._limits.eos_token_ids),
         )
         self._engine.submit(seq)
         try:
@@ -154,6 +156,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             _check_resumed(request, params)
             check_count("sampling.logprobs", params.logprobs, self._limits.vocab_size)
             grammar = await self._grammar(request, params)
+            self._limits.check_sampling(params)
+            _check_history(request, params, self._limits.vocab_size)
         except ValueError as exc:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         needed = request.kv_handle.num_tokens + params.max_tokens - 1 - request.num_generated
@@ -244,3 +248,30 @@ def _check_resumed(request: decode_pb2.DecodeRequest, params: SamplingParams) ->
             f"num_generated = {request.num_generated} must be below kv_handle.num_tokens = "
             f"{request.kv_handle.num_tokens} (the KV holds the prompt, then the generated tokens)"
         )
+
+
+def _check_history(request: decode_pb2.DecodeRequest, params: SamplingParams, vocab_size: int) -> None:
+    """``prompt_token_ids``: the KV's tokens when the penalties need them, else none."""
+    ids = request.prompt_token_ids
+    if not ids and not params.needs_history:
+        return
+    if len(ids) != request.kv_handle.num_tokens:
+        raise ValueError(
+            f"prompt_token_ids has {len(ids)} ids; it must hold the KV's kv_handle.num_tokens = "
+            f"{request.kv_handle.num_tokens} (the penalties count them)"
+        )
+    for i, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"prompt_token_ids[{i}] = {token} is outside the vocabulary [0, {vocab_size})")
+
+
+def decode_processor(
+    request: decode_pb2.DecodeRequest, params: SamplingParams, eos_token_ids: frozenset[int]
+) -> LogitsProcessor | None:
+    """The logits processors of a validated request, its first token counted as output."""
+    processor = request_processor(
+        params, eos_token_ids, list(request.prompt_token_ids), request.num_generated
+    )
+    if processor is not None:
+        processor.append(request.first_token_id)
+    return processor

@@ -70,6 +70,7 @@ from gateway.openai_requests import (
     sampling_params,
 )
 from gateway.prompt_input import PromptInput
+from gateway.prompt_options import completion_prompt, truncated
 from gateway.request_flow import RequestFlow
 from pdserve.core.limits import ModelLimits
 from pdserve.core.sampling import SamplingParams
@@ -91,7 +92,9 @@ class OpenAIApi:
         inputs: InputLimits,
         admission: Admission,
         api_key: str = "",
+        defaults: SamplingParams | None = None,
     ) -> None:
+        """``defaults``: the sampling defaults of fields a request omits (``gateway.generation_defaults``)."""
         self._flow = flow
         self._metrics = metrics
         self._prompts = prompts
@@ -101,6 +104,7 @@ class OpenAIApi:
         self._limits = limits
         self._model_id = model_id
         self._api_key = api_key
+        self._defaults = defaults or SamplingParams()
         self._created = int(time.time())
         self.draining = False
 
@@ -122,15 +126,16 @@ class OpenAIApi:
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self._admit(body)
-        meta = ResponseMeta.new("cmpl", self._model_id)
+        meta = ResponseMeta.new("cmpl", self._model_id, body.request_id)
         request = completion_input(body, meta.id)
         try:
             self._inputs.check_generate(request)
+            request = await completion_prompt(body, request, self._prompts)
+            max_tokens = completion_max_tokens(body)
+            echo_only = body.echo and max_tokens == 0  # the prompt alone (one token runs, unshown)
+            params = sampling_params(body, 1 if echo_only else max_tokens, self._defaults)
         except ValueError as exc:
             raise from_value_error(exc) from exc
-        max_tokens = completion_max_tokens(body)
-        echo_only = body.echo and max_tokens == 0  # the prompt alone (one token runs, unshown)
-        params = sampling_params(body, 1 if echo_only else max_tokens)
         logprobs, prompt_logprobs = completion_counts(
             body, self._limits.vocab_size, self._inputs.limits.max_logprobs
         )
@@ -187,15 +192,17 @@ class OpenAIApi:
             shape = ChatShape(text, count, prompt_count)
             events = functools.partial(chat_events, shape=shape)
             whole = functools.partial(chat_completion, shape=shape)
-        meta = ResponseMeta.new("chatcmpl", self._model_id)
+        meta = ResponseMeta.new("chatcmpl", self._model_id, body.request_id)
         try:
             self._inputs.check_texts("messages", [m.text() for m in body.messages])
         except ValueError as exc:
             raise from_value_error(exc) from exc
         place = self._admission.take()  # before templating: an overloaded gateway does none
         try:
-            ids = await self._prompts.off_loop(lambda: self._chat.token_ids(body.messages))
-            params = sampling_params(body, chat_max_tokens(body, len(ids), self._limits.max_model_len))
+            ids = await self._prompts.off_loop(lambda: self._chat.token_ids(body.messages, body))
+            ids = truncated(ids, body, self._limits.max_model_len)
+            max_tokens = chat_max_tokens(body, len(ids), self._limits.max_model_len)
+            params = sampling_params(body, max_tokens, self._defaults)
             params = dataclasses.replace(params, logprobs=count, prompt_logprobs=prompt_count)
             request = gateway_pb2.GenerateRequest(request_id=meta.id, prompt_token_ids=ids)
             return await self._respond(raw, body, meta, request, params, events, whole, place)
@@ -230,6 +237,7 @@ class OpenAIApi:
             raise model_not_found(body.model)
         check_supported(body)
         try:
+            self._inputs.check_request_id(body.request_id or "")
             self._inputs.check_stop(stop_list(body.stop))
             self._inputs.check_stop_token_ids(len(body.stop_token_ids or ()))
             self._inputs.check_n(body.n)

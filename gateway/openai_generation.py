@@ -35,6 +35,7 @@ from gateway.openai_models import (
     CompletionChoice,
     Delta,
     FinishReason,
+    StopReason,
     Usage,
 )
 from gateway.openai_requests import openai_finish_reason
@@ -55,8 +56,9 @@ class ResponseMeta:
     model: str
 
     @classmethod
-    def new(cls, prefix: str, model: str) -> ResponseMeta:
-        return cls(f"{prefix}-{secrets.token_hex(12)}", int(time.time()), model)
+    def new(cls, prefix: str, model: str, request_id: str | None = None) -> ResponseMeta:
+        """``request_id``: the client's (vLLM's field), else a random one."""
+        return cls(f"{prefix}-{request_id or secrets.token_hex(12)}", int(time.time()), model)
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Totals:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[sampling_pb2.TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[sampling_pb2.TokenLogprobs] = field(default_factory=list)
+    stop_reason: StopReason = None
 
     def add(self, response: gateway_pb2.GenerateResponse) -> FinishReason | None:
         """Counts one response; its OpenAI finish reason, or None while the request goes on."""
@@ -80,6 +83,7 @@ class Totals:
         self.prompt_logprobs.extend(response.prompt_logprobs)
         if response.finish_reason:
             self.finish_reason = openai_finish_reason(response.finish_reason)
+            self.stop_reason = stop_reason(response)
         return self.finish_reason
 
     def usage(self) -> Usage:
@@ -152,7 +156,10 @@ def completion(meta: ResponseMeta, totals: RequestTotals, shape: CompletionShape
     choices = []
     for index, totals_i in totals.by_index():
         choice = CompletionChoice(
-            index=index, text=totals_i.text, finish_reason=totals_i.finish_reason or "stop"
+            index=index,
+            text=totals_i.text,
+            finish_reason=totals_i.finish_reason or "stop",
+            stop_reason=totals_i.stop_reason,
         )
         if shape is not None:
             choice.text, choice.logprobs = shape.render(
@@ -175,6 +182,7 @@ def chat_completion(
             index=index,
             message=AssistantMessage(content=totals_i.text),
             finish_reason=totals_i.finish_reason or "stop",
+            stop_reason=totals_i.stop_reason,
         )
         if shape is not None:
             choice.logprobs = shape.render(totals_i.token_ids, totals_i.logprobs)
@@ -205,7 +213,12 @@ async def completion_events(
             is_first = totals.is_new(response.index)
             offset = len(totals.choice(response.index).text)
             reason = totals.add(response)
-            choice = CompletionChoice(index=response.index, text=response.text, finish_reason=reason)
+            choice = CompletionChoice(
+                index=response.index,
+                text=response.text,
+                finish_reason=reason,
+                stop_reason=totals.choice(response.index).stop_reason,
+            )
             if shape is not None:
                 choice.text, choice.logprobs = shape.render(
                     response.text,
@@ -240,7 +253,10 @@ async def chat_events(
     def chunk(
         index: int, delta: Delta, reason: FinishReason | None = None, logprobs: ChatLogprobs | None = None
     ) -> str:
-        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs)
+        stop = totals.choice(index).stop_reason if reason is not None else None
+        choice = ChatChunkChoice(
+            index=index, delta=delta, finish_reason=reason, logprobs=logprobs, stop_reason=stop
+        )
         return sse(ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice]))
 
     totals = Choices(Totals)
@@ -270,3 +286,13 @@ async def chat_events(
     finally:
         await rest.aclose()
     yield DONE
+
+
+def stop_reason(response: gateway_pb2.GenerateResponse) -> StopReason:
+    """The stop string or stop token id that ended the request (vLLM's ``stop_reason``), else None."""
+    which = response.WhichOneof("stop_reason")
+    if which == "stop_string":
+        return response.stop_string
+    if which == "stop_token_id":
+        return response.stop_token_id
+    return None

@@ -11,12 +11,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.openai_structured import StructuredFields
+from gateway.refused_fields import refused_chat_fields, refused_fields
 
 # --- requests ------------------------------------------------------------------------------------
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(StructuredFields):
@@ -35,21 +37,40 @@ class SamplingFields(StructuredFields):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # ignored, as vLLM
+    timeout: float | None = None  # seconds the request may take (see gateway.http_api)
+    # The logits processors and stop handling (``gateway.sampling_fields``), as vLLM's.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
-    timeout: float | None = None  # seconds the request may take (see gateway.http_api)
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    # Prompt handling (``gateway.prompt_options``).
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    request_id: str | None = None
+    # vLLM fields pdserve refuses unless neutral (``refused_fields``).
+    priority: int = 0
+    use_beam_search: bool = False
+    bad_words: list[str] | None = None
+    watermarking: bool | None = None
+    prompt_embeds: Any = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    logprob_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for each field set to something pdserve cannot do."""
         out: list[tuple[str, str]] = []
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0):
-                out.append((name, f"{name} is not supported (leave it unset or 0)"))
-        if self.logit_bias:
-            out.append(("logit_bias", "logit_bias is not supported"))
+        out.extend(refused_fields(self))
         return out
 
 
@@ -62,6 +83,7 @@ class CompletionRequest(SamplingFields):
     return_tokens_as_token_ids: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
@@ -101,11 +123,26 @@ class ChatCompletionRequest(SamplingFields):
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool = False
     tools: list[Any] | None = None
+    # Chat templating (``gateway.openai_requests.ChatPrompt``), as vLLM's.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    # Refused unless neutral (``refused_chat_fields``); ignored as vLLM without a parser of
+    # tools or reasoning: parallel_tool_calls, include_reasoning.
+    tool_choice: Any = None
+    reasoning_effort: str | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+    echo: bool = False
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
         if self.tools:
             out.append(("tools", "tools are not supported"))
+        out.extend(refused_chat_fields(self))
         return out
 
 
@@ -137,6 +174,9 @@ def _is_none(value: object) -> bool:
     return value is None
 
 
+StopReason = int | str | None  # the stop token id or stop string that ended a choice (vLLM's field)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
@@ -144,6 +184,7 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None = None
     # vLLM's: the prompt's logprobs (whole responses of requests that ask for them).
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = Field(default=None, exclude_if=_is_none)
+    stop_reason: StopReason = None
 
 
 class Completion(BaseModel):
@@ -181,6 +222,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
+    stop_reason: StopReason = None
 
 
 class ChatCompletion(BaseModel):
@@ -206,6 +248,7 @@ class ChatChunkChoice(BaseModel):
     delta: Delta
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -3,7 +3,8 @@ OpenAI's finish reasons. Raises OpenAIError or ValueError (both answered as 400)
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, TypeVar
 
 from jinja2 import TemplateError
 
@@ -22,6 +23,7 @@ from pdserve.v1 import gateway_pb2
 
 _FINISH_REASONS: dict[str, FinishReason] = {EOS: "stop", STOP: "stop", LENGTH: "length"}
 _DEFAULTS = SamplingParams()
+T = TypeVar("T")
 
 
 def check_supported(body: SamplingFields) -> None:
@@ -29,14 +31,17 @@ def check_supported(body: SamplingFields) -> None:
         raise bad_request(why, param)
 
 
-def sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
-    """The request's sampling rules (ValueError names the bad field)."""
+def sampling_params(
+    body: SamplingFields, max_tokens: int, defaults: SamplingParams = _DEFAULTS
+) -> SamplingParams:
+    """The request's sampling rules (ValueError names the bad field); ``defaults`` fill the fields
+    it omits (the model's generation config, ``gateway.generation_defaults``)."""
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    top_k = body.top_k if body.top_k is not None else _DEFAULTS.top_k
+    top_k = body.top_k if body.top_k is not None else defaults.top_k
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=body.temperature if body.temperature is not None else _DEFAULTS.temperature,
-        top_p=body.top_p if body.top_p is not None else _DEFAULTS.top_p,
+        temperature=_given(body.temperature, defaults.temperature),
+        top_p=_given(body.top_p, defaults.top_p),
         top_k=0 if top_k == -1 else top_k,  # vLLM's "off"
         seed=body.seed,
         stop=stop,
@@ -44,7 +49,39 @@ def sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
         ignore_eos=body.ignore_eos,
         n=body.n,
         structured_output=structured_output(body),
+        presence_penalty=_given(body.presence_penalty, defaults.presence_penalty),
+        frequency_penalty=_given(body.frequency_penalty, defaults.frequency_penalty),
+        repetition_penalty=_given(body.repetition_penalty, defaults.repetition_penalty),
+        min_p=_given(body.min_p, defaults.min_p),
+        min_tokens=body.min_tokens,
+        logit_bias=logit_bias(body.logit_bias),
+        allowed_token_ids=allowed_token_ids(body.allowed_token_ids),
+        include_stop_str_in_output=body.include_stop_str_in_output,
     )
+
+
+def _given(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias}, each bias clamped to [-100, 100] as vLLM does."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ValueError(f"logit_bias key {key[:32]!r} is not a token id") from None
+        if math.isnan(value):
+            raise ValueError(f"logit_bias[{token}] must be a number, got NaN")
+        out[token] = min(100.0, max(-100.0, value))
+    return tuple(sorted(out.items()))
+
+
+def allowed_token_ids(ids: list[int] | None) -> tuple[int, ...]:
+    if ids is not None and not ids:
+        raise ValueError("allowed_token_ids must not be empty")
+    return tuple(dict.fromkeys(ids or ()))
 
 
 def completion_input(body: CompletionRequest, request_id: str) -> gateway_pb2.GenerateRequest:
@@ -85,19 +122,29 @@ class ChatPrompt:
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
 
-    def token_ids(self, messages: list[ChatMessage]) -> list[int]:
+    def token_ids(self, messages: list[ChatMessage], body: ChatCompletionRequest | None = None) -> list[int]:
+        """The template over ``messages``, with ``body``'s templating fields as vLLM's:
+        ``add_generation_prompt``, ``continue_final_message``, ``documents`` and
+        ``add_special_tokens`` (the tokenizer's own special tokens on top of the template's)."""
         if not getattr(self._tokenizer, "chat_template", None):
             raise bad_request("messages: this model has no chat template", "messages")
         conversation = [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages
         ]
+        options: dict[str, Any] = {"add_generation_prompt": True}
+        if body is not None:
+            options = {
+                "add_generation_prompt": body.add_generation_prompt,
+                "continue_final_message": body.continue_final_message,
+            }
+            if body.documents is not None:
+                options["documents"] = body.documents
         try:
-            text = self._tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False
-            )
-        except TemplateError as exc:
+            text = self._tokenizer.apply_chat_template(conversation, tokenize=False, **options)
+        except (TemplateError, ValueError) as exc:
             raise bad_request(f"messages: the chat template refused them: {exc}", "messages") from exc
-        return list(self._tokenizer(text, add_special_tokens=False).input_ids)
+        special = body is not None and body.add_special_tokens
+        return list(self._tokenizer(text, add_special_tokens=special).input_ids)
 
 
 def openai_finish_reason(reason: str) -> FinishReason:

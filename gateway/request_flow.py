@@ -69,7 +69,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.prompt_input import PromptInput
 from gateway.request_metrics import RequestTimer
 from gateway.text_stream import TextChunk, TextStream
-from pdserve.core.finish import STOP
+from pdserve.core.finish import EOS, STOP
 from pdserve.core.grammar import grammar_of
 from pdserve.core.sampling import SamplingParams
 from pdserve.kv.handle import describe
@@ -141,6 +141,9 @@ class _Progress:
     sampling: Any
     text: TextStream
     delivered: list[int] = field(default_factory=list)  # token ids relayed to the client, in order
+    history: bool = False  # decode needs the KV's token ids (the penalties count them)
+    hide_stop_token: bool = True  # a stop token's text is not returned (include_stop_str_in_output off)
+    stop_token_ids: frozenset[int] = frozenset()
 
     def prefill_request(self) -> prefill_pb2.PrefillRequest:
         """The prefill of the request from where it is: the prompt, then every delivered token
@@ -168,7 +171,13 @@ class _Progress:
         the request's finish reason after them; its tokens count as delivered. ``logprobs``: one
         per token (the response keeps those of the tokens it carries); ``prompt_logprobs`` go on
         the first response."""
-        chunk = self.text.add(token_ids)
+        stop_token = self._stop_token(token_ids, reason)
+        if stop_token is not None and self.hide_stop_token:  # its text is left out, as vLLM
+            chunk = self.text.add(token_ids[:-1])
+            if not chunk.stopped:
+                chunk = TextChunk([*chunk.token_ids, stop_token], chunk.text, False)
+        else:
+            chunk = self.text.add(token_ids)
         reason = STOP if chunk.stopped else reason
         if reason is not None and not chunk.stopped:
             chunk = _join(chunk, self.text.finish())
@@ -183,7 +192,23 @@ class _Progress:
         response.logprobs.extend(logprobs[: len(chunk.token_ids)])
         if first:
             response.prompt_logprobs.extend(prompt_logprobs)
+        if chunk.stopped and self.text.matched is not None:
+            response.stop_string = self.text.matched
+        elif reason == STOP and stop_token is not None:
+            response.stop_token_id = stop_token
         return response, reason
+
+    def _stop_token(self, token_ids: list[int], reason: str | None) -> int | None:
+        """The token that ends the request by the token rules (EOS, a stop token), or None (a stop
+        string in the prefill's token also ends it with "stop")."""
+        if not token_ids or reason not in (STOP, EOS):
+            return None
+        last = token_ids[-1]
+        return last if reason == EOS or last in self.stop_token_ids else None
+
+    def kv_token_ids(self, step: int) -> list[int]:
+        """The token ids the KV of the prefill's token at ``step`` holds, when decode needs them."""
+        return self.prompt_ids + self.delivered[:step] if self.history else []
 
 
 class RequestFlow:
@@ -247,7 +272,13 @@ class RequestFlow:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         started = time.perf_counter()
         run = _Progress(
-            request_id, list(prompt_ids), sampling_to_proto(params), TextStream(self._tokenizer, params.stop)
+            request_id,
+            list(prompt_ids),
+            sampling_to_proto(params),
+            TextStream(self._tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens),
+            history=params.needs_history,
+            hide_stop_token=not params.include_stop_str_in_output,
+            stop_token_ids=frozenset(params.stop_token_ids),
         )
 
         prefill, first, sent_at = await self._prefill(
@@ -453,6 +484,7 @@ class RequestFlow:
                 generated_token_ids=run.delivered[:step]
                 if run.sampling.HasField("structured_output")
                 else (),
+                prompt_token_ids=run.kv_token_ids(step),
             )
         )
 

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoTokenizer
 from gateway.admission import Admission
 from gateway.backends import decode_pool, prefill_pool
 from gateway.discovery import Discovery, Resolver, fixed_addresses, resolve_dns
+from gateway.generation_defaults import generation_defaults
 from gateway.http_api import OpenAIApi
 from gateway.http_server import HttpServer
 from gateway.input_limits import InputLimits
@@ -43,6 +44,7 @@ async def serve(config: GatewayConfig, resolver: Resolver = resolve_dns) -> None
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_dir)
     hf_config = await asyncio.to_thread(AutoConfig.from_pretrained, model_dir)
     limits = ModelLimits.from_config(hf_config, config.max_model_len, eos_token_ids(model_dir, hf_config))
+    defaults = await asyncio.to_thread(generation_defaults, config.generation_config, str(model_dir))
 
     metrics = GatewayMetrics(CollectorRegistry(), config.model_id, limits.max_model_len)
     internal = internal_client(config.internal)
@@ -57,7 +59,9 @@ async def serve(config: GatewayConfig, resolver: Resolver = resolve_dns) -> None
     flow = RequestFlow(prompts, tokenizer, prefills, decodes, metrics)
     inputs = InputLimits(config.limits)
     admission = Admission(config.limits.max_in_flight, config.limits.retry_after_s, metrics)
-    api = OpenAIApi(flow, metrics, prompts, limits, config.model_id, inputs, admission, config.public.api_key)
+    api = OpenAIApi(
+        flow, metrics, prompts, limits, config.model_id, inputs, admission, config.public.api_key, defaults
+    )
     try:
         server = ServiceServer(
             config.server.host,
@@ -86,7 +90,7 @@ async def serve(config: GatewayConfig, resolver: Resolver = resolve_dns) -> None
         )
         raise SystemExit(1) from None
     gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(flow, metrics, inputs, admission), server.server
+        GatewayServicer(flow, metrics, inputs, admission, defaults), server.server
     )
     for discovery in discoveries:
         await discovery.refresh()

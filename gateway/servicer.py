@@ -21,6 +21,7 @@ from gateway.input_limits import InputLimits
 from gateway.metrics import GatewayMetrics
 from gateway.public_errors import public_error
 from gateway.request_flow import RequestFlow
+from pdserve.core.sampling import SamplingParams
 from pdserve.rpc.errors import RpcError, abort
 from pdserve.rpc.sampling_proto import sampling_from_proto
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
@@ -30,8 +31,15 @@ logger = logging.getLogger(__name__)
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(
-        self, flow: RequestFlow, metrics: GatewayMetrics, inputs: InputLimits, admission: Admission
+        self,
+        flow: RequestFlow,
+        metrics: GatewayMetrics,
+        inputs: InputLimits,
+        admission: Admission,
+        defaults: SamplingParams | None = None,
     ) -> None:
+        """``defaults``: what unset optional sampling fields take (``gateway.generation_defaults``)."""
+        self._defaults = defaults or SamplingParams()
         self._flow = flow
         self._metrics = metrics
         self._inputs = inputs
@@ -46,7 +54,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             request.request_id = secrets.token_hex(8)
         try:
             self._inputs.check_generate(request)
-            params = sampling_from_proto(request.sampling)
+            params = sampling_from_proto(request.sampling, self._defaults)
             with self._admission.enter():
                 async for response in self._flow.generate(request, params, deadline_of(context)):
                     self._metrics.generated_tokens.inc(len(response.token_ids))

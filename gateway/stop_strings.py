@@ -14,7 +14,8 @@ class StopStringMatcher:
     become a stop string (at most ``max(len(s)) - 1`` characters) is held until it is decided.
     """
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include_stop: bool = False) -> None:
+        """``include_stop``: the emitted text ends with the stop string that stopped it."""
         if isinstance(stop, str):
             raise TypeError("stop must be a sequence of strings, not a single string")
         for s in stop:
@@ -26,6 +27,7 @@ class StopStringMatcher:
         self._held = ""
         self._stopped = False
         self._matched: str | None = None
+        self._include_stop = include_stop
 
     @property
     def stopped(self) -> bool:
@@ -55,7 +57,7 @@ class StopStringMatcher:
             self._held = ""
             self._stopped = True
             self._matched = stop
-            return text[:start], True
+            return text[: start + len(stop) if self._include_stop else start], True
         keep = self._partial_suffix_len(text)
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep], False

@@ -43,6 +43,7 @@ import torch
 from transformers import DynamicCache
 
 from pdserve.core.grammar import GrammarState, apply_masks
+from pdserve.core.logits_processing import request_processor
 from pdserve.core.logprobs import TokenLogprobs, position_logprobs, prompt_logprobs
 from pdserve.core.sampling import SamplingParams
 from pdserve.kv.layout import pack_into
@@ -275,7 +276,9 @@ class PrefillEngine:
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         results = []
         for row, (row_params, step) in enumerate(zip(params, num_generated, strict=True)):
-            choices = first_tokens(logits[row], row_params, step, m.limits.eos_token_ids, self._token_text)
+            processor = request_processor(row_params, m.limits.eos_token_ids, prompts[row], step)
+            row_logits = processor.apply(logits[row]) if processor is not None else logits[row]
+            choices = first_tokens(row_logits, row_params, step, m.limits.eos_token_ids, self._token_text)
             if grammars and (grammar := grammars[row]) is not None:
                 choices = with_grammar(choices, grammar)
             token, reason = choices[0].token_id, choices[0].finish_reason

@@ -404,11 +404,21 @@ class GatewayConfig:
     served_model_name: str = field(
         default="", metadata={"help": "model id of the HTTP API (default: the --model value)"}
     )
+    generation_config: str = field(
+        default="auto",
+        metadata={
+            "help": "sampling defaults for the fields a request omits (temperature, top_p, top_k, "
+            "repetition_penalty, min_p), as vLLM's flag: 'auto' the model's generation_config.json, "
+            "'vllm' none (pdserve's own defaults), or a directory holding a generation_config.json"
+        },
+    )
     limits: RequestLimits = field(default_factory=RequestLimits)
     public: PublicSecurity = field(default_factory=PublicSecurity)
     internal: InternalSecurity = field(default_factory=InternalSecurity)
 
     def __post_init__(self) -> None:
+        if not self.generation_config:
+            raise ValueError("generation_config must be 'auto', 'vllm' or a directory, got ''")
         if not self.prefill:
             raise ValueError("at least one prefill address is required (--prefill / PDSERVE_PREFILL)")
         if not self.decode:

@@ -6,7 +6,8 @@
    ``eos``, a token of ``stop_token_ids`` with ``stop`` (the token is returned), and the
    ``max_tokens``-th token with ``length``.
 2. Stop strings, on text, judged by the gateway over the whole stream (``gateway.stop_strings``):
-   the text is cut right before the first stop string, wherever tokens split it.
+   the text is cut right before the first stop string (after it with ``include_stop_str_in_output``),
+   wherever tokens split it; text of the first ``min_tokens`` tokens is not checked, as vLLM.
 3. The first token also ends the request when its own text contains a stop string
    (``first_token_reason``): the gateway would stop there anyway, so the prefill parks no KV and
    the request never reaches decode.
@@ -54,6 +55,7 @@ def first_token_reason(
     ``num_before``: tokens the request generated before this one (a resumed request), counted by
     ``max_tokens``."""
     reason = finish_reason(token_id, num_before + 1, params, eos_token_ids)
-    if reason is None and params.stop and any(s in token_text(token_id) for s in params.stop):
+    checks_text = num_before + 1 > params.min_tokens  # stop strings count only after min_tokens
+    if reason is None and checks_text and params.stop and any(s in token_text(token_id) for s in params.stop):
         return STOP
     return reason

@@ -26,6 +26,20 @@ class ModelLimits:
             raise ValueError("the model config has no max_position_embeddings; set max_model_len")
         return cls(int(text_config.vocab_size), model_len, eos_token_ids)
 
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Raises ValueError naming the field when a token id of ``params`` is outside the vocabulary."""
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            for token in getattr(params, name):
+                if token >= self.vocab_size:
+                    raise ValueError(
+                        f"sampling.{name} has {token}, outside the vocabulary [0, {self.vocab_size})"
+                    )
+        for token, _ in params.logit_bias:
+            if token >= self.vocab_size:
+                raise ValueError(
+                    f"sampling.logit_bias has token id {token}, outside the vocabulary [0, {self.vocab_size})"
+                )
+
     def check_request(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, num_generated: int = 0
     ) -> None:
@@ -50,11 +64,7 @@ class ModelLimits:
                 raise ValueError(
                     f"prompt_token_ids[{i}] = {token} is outside the vocabulary [0, {self.vocab_size})"
                 )
-        for token in params.stop_token_ids:
-            if token >= self.vocab_size:
-                raise ValueError(
-                    f"sampling.stop_token_ids has {token}, outside the vocabulary [0, {self.vocab_size})"
-                )
+        self.check_sampling(params)
         check_count("sampling.logprobs", params.logprobs, self.vocab_size)
         check_count("sampling.prompt_logprobs", params.prompt_logprobs, self.vocab_size)
         num_prompt = len(prompt_token_ids) - num_generated

@@ -36,6 +36,19 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None  # what the output must match
+    # vLLM's meaning (``pdserve.core.logits_processing`` applies them to the logits before sampling).
+    presence_penalty: float = 0.0  # subtracted once from every token the output holds
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = (
+        1.0  # divides (multiplies, when negative) the logits of prompt and output tokens
+    )
+    min_p: float = 0.0  # drops tokens below min_p times the top token's probability
+    min_tokens: int = (
+        0  # end-of-sequence and stop tokens are masked (stop strings unchecked) before this many
+    )
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    allowed_token_ids: tuple[int, ...] = ()  # when set, only these tokens may be sampled
+    include_stop_str_in_output: bool = False  # the text keeps the stop string (or stop token) that ended it
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -58,15 +71,66 @@ class SamplingParams:
             count = getattr(self, name)
             if count is not None and count < 0:
                 raise ValueError(f"sampling.{name} must be >= 0 (unset: none), got {count}")
+        check_logits_fields(self)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the request's tokens (the penalties)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether any logits processor applies (else sampling takes the fast path)."""
+        return (
+            self.needs_history
+            or self.min_tokens > 0
+            or bool(self.logit_bias)
+            or bool(self.allowed_token_ids)
+            or (self.min_p > 0 and not self.is_greedy)
+        )
+
+
+def check_logits_fields(params: SamplingParams) -> None:
+    """The ranges vLLM allows for the logits processors' fields (ValueError names the field)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not -2 <= value <= 2:  # also rejects NaN
+            raise ValueError(f"sampling.{name} must be in [-2, 2], got {value}")
+    if not 0 < params.repetition_penalty < float("inf"):
+        raise ValueError(
+            f"sampling.repetition_penalty must be a finite number > 0, got {params.repetition_penalty}"
+        )
+    if not 0 <= params.min_p <= 1:
+        raise ValueError(f"sampling.min_p must be in [0, 1], got {params.min_p}")
+    if not 0 <= params.min_tokens <= params.max_tokens:
+        raise ValueError(
+            f"sampling.min_tokens must be in [0, max_tokens = {params.max_tokens}], got {params.min_tokens}"
+        )
+    ids = [token for token, _ in params.logit_bias]
+    if len(set(ids)) != len(ids):
+        raise ValueError("sampling.logit_bias must name each token id once")
+    for token, bias in params.logit_bias:
+        if token < 0:
+            raise ValueError(f"sampling.logit_bias has token id {token}; ids are >= 0")
+        if not -100 <= bias <= 100:
+            raise ValueError(f"sampling.logit_bias[{token}] must be in [-100, 100], got {bias}")
+    if any(t < 0 for t in params.allowed_token_ids):
+        raise ValueError("sampling.allowed_token_ids must be >= 0")
+
 
 def mix_seed(seed: int, step: int) -> int:
     """The generator seed of one step of one request."""
     return (seed ^ ((step + 1) * _GOLDEN)) & _MASK64
+
+
+def min_p_filter(scores: torch.Tensor, min_p: float) -> torch.Tensor:
+    """``scores`` with every token less likely than ``min_p`` times the top token masked."""
+    probs = torch.softmax(scores, dim=-1)
+    return scores.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_p, float("-inf"))
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
@@ -76,6 +140,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     if params.seed is None:
         raise ValueError("a sampled (temperature > 0) request needs a seed")
     scores = logits.float() / params.temperature
+    if params.min_p > 0:  # after temperature, before top-k and top-p, as vLLM
+        scores = min_p_filter(scores, params.min_p)
     if 0 < params.top_k < scores.numel():
         keep = torch.topk(scores, params.top_k).indices
         scores = torch.full_like(scores, float("-inf")).scatter(0, keep, scores[keep])

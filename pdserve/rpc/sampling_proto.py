@@ -7,15 +7,32 @@ from pdserve.rpc.structured_output_proto import structured_from_proto, structure
 from pdserve.v1 import sampling_pb2
 
 _DEFAULTS = SamplingParams()
+# The optional fields that take ``defaults``' value when unset.
+_OPTIONAL = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+)
 
 
-def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
-    """Applies defaults to unset fields and validates (ValueError names the bad field)."""
+def sampling_from_proto(
+    msg: sampling_pb2.SamplingParams, defaults: SamplingParams = _DEFAULTS
+) -> SamplingParams:
+    """Applies ``defaults`` to unset fields and validates (ValueError names the bad field).
+
+    ``defaults``: the gateway's are the model's generation config (``gateway.generation_defaults``);
+    the engines are always sent every field."""
+    values = {
+        name: getattr(msg, name) if msg.HasField(name) else getattr(defaults, name) for name in _OPTIONAL
+    }
     return SamplingParams(
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else _DEFAULTS.max_tokens,
-        temperature=msg.temperature if msg.HasField("temperature") else _DEFAULTS.temperature,
-        top_p=msg.top_p if msg.HasField("top_p") else _DEFAULTS.top_p,
-        top_k=msg.top_k if msg.HasField("top_k") else _DEFAULTS.top_k,
+        **values,
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
@@ -26,18 +43,21 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
         structured_output=structured_from_proto(msg.structured_output)
         if msg.HasField("structured_output")
         else None,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        allowed_token_ids=tuple(msg.allowed_token_ids),
+        include_stop_str_in_output=msg.include_stop_str_in_output,
     )
 
 
 def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
     msg = sampling_pb2.SamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
+        **{name: getattr(params, name) for name in _OPTIONAL},
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        logit_bias=dict(params.logit_bias),
+        allowed_token_ids=list(params.allowed_token_ids),
+        include_stop_str_in_output=params.include_stop_str_in_output,
     )
     if params.seed is not None:
         msg.seed = params.seed

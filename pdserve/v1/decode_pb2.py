@@ -26,7 +26,7 @@ from pdserve.v1 import kv_pb2 as pdserve_dot_v1_dot_kv__pb2
 from pdserve.v1 import sampling_pb2 as pdserve_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x13pdserve/v1/kv.proto\x1a\x19pdserve/v1/sampling.proto\"\xd9\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\tkv_handle\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x15\n\rnum_generated\x18\x06 \x01(\r\x12\x1b\n\x13generated_token_ids\x18\x46 \x03(\x05\"g\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12+\n\x08logprobs\x18( \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"h\n\x11\x44\x65\x63odeManyRequest\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12*\n\x05start\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x08\n\x06\x61\x63tion\"\x9d\x01\n\x0c\x44\x65\x63odeUpdate\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x12\n\nerror_code\x18\x04 \x01(\x05\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12+\n\x08logprobs\x18( \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"?\n\x12\x44\x65\x63odeManyResponse\x12)\n\x07updates\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.DecodeUpdate2\x9c\x01\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12O\n\nDecodeMany\x12\x1d.pdserve.v1.DecodeManyRequest\x1a\x1e.pdserve.v1.DecodeManyResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x13pdserve/v1/kv.proto\x1a\x19pdserve/v1/sampling.proto\"\xf3\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\tkv_handle\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x15\n\rnum_generated\x18\x06 \x01(\r\x12\x1b\n\x13generated_token_ids\x18\x46 \x03(\x05\x12\x18\n\x10prompt_token_ids\x18\x1e \x03(\x05\"g\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12+\n\x08logprobs\x18( \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"h\n\x11\x44\x65\x63odeManyRequest\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12*\n\x05start\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x08\n\x06\x61\x63tion\"\x9d\x01\n\x0c\x44\x65\x63odeUpdate\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x12\n\nerror_code\x18\x04 \x01(\x05\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12+\n\x08logprobs\x18( \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"?\n\x12\x44\x65\x63odeManyResponse\x12)\n\x07updates\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.DecodeUpdate2\x9c\x01\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12O\n\nDecodeMany\x12\x1d.pdserve.v1.DecodeManyRequest\x1a\x1e.pdserve.v1.DecodeManyResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.decode_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=88
-  _globals['_DECODEREQUEST']._serialized_end=305
-  _globals['_DECODERESPONSE']._serialized_start=307
-  _globals['_DECODERESPONSE']._serialized_end=410
-  _globals['_DECODEMANYREQUEST']._serialized_start=412
-  _globals['_DECODEMANYREQUEST']._serialized_end=516
-  _globals['_DECODEUPDATE']._serialized_start=519
-  _globals['_DECODEUPDATE']._serialized_end=676
-  _globals['_DECODEMANYRESPONSE']._serialized_start=678
-  _globals['_DECODEMANYRESPONSE']._serialized_end=741
-  _globals['_DECODE']._serialized_start=744
-  _globals['_DECODE']._serialized_end=900
+  _globals['_DECODEREQUEST']._serialized_end=331
+  _globals['_DECODERESPONSE']._serialized_start=333
+  _globals['_DECODERESPONSE']._serialized_end=436
+  _globals['_DECODEMANYREQUEST']._serialized_start=438
+  _globals['_DECODEMANYREQUEST']._serialized_end=542
+  _globals['_DECODEUPDATE']._serialized_start=545
+  _globals['_DECODEUPDATE']._serialized_end=702
+  _globals['_DECODEMANYRESPONSE']._serialized_start=704
+  _globals['_DECODEMANYRESPONSE']._serialized_end=767
+  _globals['_DECODE']._serialized_start=770
+  _globals['_DECODE']._serialized_end=926
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "kv_handle", "first_token_id", "sampling", "timeout_s", "num_generated", "generated_token_ids")
+    __slots__ = ("request_id", "kv_handle", "first_token_id", "sampling", "timeout_s", "num_generated", "generated_token_ids", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class DecodeRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kv_handle: _kv_pb2.KvHandle
     first_token_id: int
@@ -24,7 +25,8 @@ class DecodeRequest(_message.Message):
     timeout_s: float
     num_generated: int
     generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., kv_handle: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., timeout_s: _Optional[float] = ..., num_generated: _Optional[int] = ..., generated_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., kv_handle: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., timeout_s: _Optional[float] = ..., num_generated: _Optional[int] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "logprobs")
