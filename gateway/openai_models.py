@@ -38,6 +38,8 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     timeout: float | None = None  # seconds the request may take (see gateway.http_api)
+    skip_special_tokens: bool = True  # vLLM's: the text leaves special tokens out
+    spaces_between_special_tokens: bool = True  # vLLM's (see gateway.detokenizer)
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for each field set to something pdserve cannot do."""

@@ -41,6 +41,8 @@ def sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
         stop=stop,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
     )
 
 

@@ -206,7 +206,10 @@ class RequestFlow:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         started = time.perf_counter()
         run = _Progress(
-            request_id, list(prompt_ids), sampling_to_proto(params), TextStream(self._tokenizer, params.stop)
+            request_id,
+            list(prompt_ids),
+            sampling_to_proto(params),
+            TextStream(self._tokenizer, params, prompt_ids),
         )
 
         prefill, first, sent_at = await self._prefill(

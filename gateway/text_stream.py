@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.stop_strings import StopStringMatcher
+from pdserve.core.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -17,9 +19,17 @@ class TextChunk:
 
 
 class TextStream:
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
-        self._stops = StopStringMatcher(stop)
+    """The text of one request's tokens: decoded after ``prompt_ids`` (the prompt's end gives the
+    first token its context), with the request's special-token options and stop strings."""
+
+    def __init__(self, tokenizer: Any, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> None:
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer,
+            prompt_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
+        self._stops = StopStringMatcher(params.stop)
         self.num_tokens = 0
 
     def add(self, token_ids: list[int]) -> TextChunk:

@@ -26,6 +26,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # the text leaves special tokens out (the gateway's detokenizer)
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -19,6 +19,14 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        skip_special_tokens=(
+            msg.skip_special_tokens if msg.HasField("skip_special_tokens") else _DEFAULTS.skip_special_tokens
+        ),
+        spaces_between_special_tokens=(
+            msg.spaces_between_special_tokens
+            if msg.HasField("spaces_between_special_tokens")
+            else _DEFAULTS.spaces_between_special_tokens
+        ),
     )
 
 
@@ -31,6 +39,8 @@ def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens,
     )
     if params.seed is not None:
         msg.seed = params.seed
