@@ -84,7 +84,12 @@ class ChatPrompt:
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
 
-    def token_ids(self, messages: list[ChatMessage]) -> list[int]:
+    def token_ids(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
         if not getattr(self._tokenizer, "chat_template", None):
             raise bad_request("messages: this model has no chat template", "messages")
         conversation = [
@@ -92,11 +97,11 @@ class ChatPrompt:
         ]
         try:
             text = self._tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except TemplateError as exc:
             raise bad_request(f"messages: the chat template refused them: {exc}", "messages") from exc
-        return list(self._tokenizer(text, add_special_tokens=False).input_ids)
+        return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
 def openai_finish_reason(reason: str) -> FinishReason:

@@ -426,6 +426,7 @@ INTERNAL_ENV = [
                 "PDSERVE_RESOLVE_INTERVAL_S",
                 "PDSERVE_HTTP_PORT",
                 "PDSERVE_SERVED_MODEL_NAME",
+                "PDSERVE_CHAT_TEMPLATE",
                 "PDSERVE_MAX_STOP_STRINGS",
                 "PDSERVE_MAX_STOP_BYTES",
                 "PDSERVE_MAX_STOP_TOKEN_IDS",

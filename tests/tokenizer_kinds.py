@@ -157,3 +157,35 @@ KINDS: dict[str, Callable[[], PreTrainedTokenizerFast]] = {
     "byte_fallback_bpe": byte_fallback_bpe,
     "wordpiece": wordpiece,
 }
+
+
+def llama_like(vocab_size: int, corpus: list[str], special_tokens: list[str]) -> PreTrainedTokenizerFast:
+    """A Metaspace byte-fallback BPE (Llama / Mistral style) of exactly ``vocab_size`` tokens, the
+    ``special_tokens`` first (for a model whose embeddings have that many rows)."""
+    tokenizer = Tokenizer(models.BPE(unk_token=special_tokens[0]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="first")]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(BYTE_TOKENS),
+        special_tokens=special_tokens,
+        limit_alphabet=60,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    spec = json.loads(_with_byte_fallback(tokenizer).to_str())
+    spec["model"]["unk_token"] = special_tokens[0]
+    vocab = spec["model"]["vocab"]
+    filler = 0
+    while len(vocab) < vocab_size:
+        vocab.setdefault(f"▁x{filler}", len(vocab))
+        filler += 1
+    if len(vocab) != vocab_size:
+        raise ValueError(f"the corpus gives {len(vocab)} tokens, more than {vocab_size}")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+        eos_token=special_tokens[0],
+        extra_special_tokens=special_tokens[1:],
+        clean_up_tokenization_spaces=False,
+    )
