@@ -298,10 +298,8 @@ def test_another_model_is_404(text_stack: TextStack) -> None:
 
 
 def test_version_and_the_model_object(text_stack: TextStack) -> None:
-    assert http_get(text_stack.http, "/version") == (
-        200,
-        json.dumps({"version": pdserve.__version__}).encode(),
-    )
+    status, version = http_get(text_stack.http, "/version")
+    assert (status, json.loads(version)) == (200, {"version": pdserve.__version__})
     card = text_stack.client.models.retrieve(MODEL_ID)
     assert (card.id, card.object, card.owned_by) == (MODEL_ID, "model", "pdserve")
     extra = card.model_dump()
