@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 import pdserve
 from gateway.input_limits import InputLimits
-from gateway.openai_errors import bad_request, from_value_error, model_not_found
+from gateway.openai_errors import OpenAIError, bad_request, model_not_found
 from gateway.openai_models import ChatMessage
 from gateway.openai_requests import ChatPrompt
 from gateway.prompt_input import PromptInput
@@ -71,9 +71,9 @@ class TokenizeApi:
         self._check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
+        field = "messages" if body.messages is not None else "prompt"
         try:
             if body.messages is not None:
-                field = "messages"
                 self._inputs.check_texts(field, [m.text() for m in body.messages])
                 messages = body.messages
                 ids = await self._prompts.off_loop(
@@ -82,15 +82,16 @@ class TokenizeApi:
                     )
                 )
             else:
-                field = "prompt"
                 text = body.prompt or ""
                 self._inputs.check_prompt_text(text)
                 add_special = body.add_special_tokens is not False
                 ids = await self._prompts.off_loop(
                     lambda: list(self._tokenizer(text, add_special_tokens=add_special).input_ids)
                 )
+        except OpenAIError:
+            raise
         except ValueError as exc:
-            raise from_value_error(exc) from exc
+            raise bad_request(str(exc), field) from exc
         self._check_length(field, len(ids))
         strs = self._tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         response = TokenizeResponse(

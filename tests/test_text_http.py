@@ -181,20 +181,40 @@ def test_chat_uses_the_custom_template_and_keeps_the_space(text_stack: TextStack
     assert grpc_chat.token_ids == expected.token_ids
 
 
-def prompt_leading_to(text_stack: TextStack, wanted: Callable[[str], bool]) -> list[int]:
-    """A prompt whose greedy next token's piece is ``wanted`` (found among seeded random prompts of
-    plain text tokens, by the one-process model)."""
+def prompt_leading_to(text_stack: TextStack, wanted: Callable[[str], bool], steps: int = 8) -> list[int]:
+    """A prompt whose greedy next token's piece is ``wanted`` and whose greedy ``steps`` tokens
+    decode without rewriting earlier text (see gateway.detokenizer), found among seeded random
+    prompts of plain text tokens by the one-process model."""
     tok = text_stack.tokenizer
     rng = random.Random(0)
-    words = [i for piece, i in tok.get_vocab().items() if piece.startswith("▁") and len(piece) > 2]
+    words = sorted(i for piece, i in tok.get_vocab().items() if piece.startswith("▁") and len(piece) > 2)
     for _ in range(8):
         prompts = torch.tensor([[rng.choice(words) for _ in range(6)] for _ in range(256)])
         with torch.no_grad():
             nexts = text_stack.model(prompts).logits[:, -1].argmax(-1).tolist()
         for prompt, token in zip(prompts.tolist(), nexts, strict=True):
-            if wanted(tok.convert_ids_to_tokens(token)):
+            if wanted(tok.convert_ids_to_tokens(token)) and not rewrites(
+                tok, prompt, greedy(text_stack, prompt, steps)
+            ):
                 return [int(t) for t in prompt]
     pytest.fail("no random prompt leads to the wanted token")
+
+
+def greedy(text_stack: TextStack, prompt: list[int], steps: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(text_stack.model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def rewrites(tok: PreTrainedTokenizerFast, prompt: list[int], output: list[int]) -> bool:
+    """Whether a token turns text decoded before it into something else (byte fallback's U+FFFDs)."""
+    full = str(tok.decode(prompt + output, skip_special_tokens=False))
+    return any(
+        not full.startswith(str(tok.decode(prompt + output[:k], skip_special_tokens=False)).rstrip("\ufffd"))
+        for k in range(len(output) + 1)
+    )
 
 
 def test_skip_special_tokens_over_http_and_grpc(text_stack: TextStack) -> None:
@@ -281,6 +301,7 @@ def test_detokenize(text_stack: TextStack) -> None:
         ("/tokenize", {"prompt": "a " * 3000}, "prompt"),
         ("/tokenize", {"prompt": "x" * (1024 * 1024 + 1)}, "prompt"),
         ("/tokenize", {"messages": [{"role": "wizard", "content": "b"}]}, "messages"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "y" * (1024 * 1024 + 1)}]}, "messages"),
         ("/tokenize", {"prompt": 5}, "prompt"),
     ],
 )
