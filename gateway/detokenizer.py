@@ -1,38 +1,84 @@
-"""Incremental detokenization: a stream of generated token ids to final text deltas."""
+"""Incremental detokenization: a stream of generated token ids to text deltas, seeded with the end of
+the prompt.
+
+The text of a stream is what the prompt and the generated tokens decode to past the prompt's own
+text: ``decode(prompt + output)[len(decode(prompt)):]``, a character split between the prompt's
+last tokens and the first generated ones belonging to the output. The stream starts from the last
+few tokens of the prompt (``prompt_tail``) and drops their text, so the first generated token
+decodes in its context: after a prompt, a SentencePiece (Metaspace) ``▁Paris`` is `` Paris``.
+An unfinished multi-byte character is held until the token completing it arrives; ``flush`` gives
+out what is still held at the end (an unfinished character as U+FFFD).
+
+The equality holds whenever no token rewrites text decoded before it. The one case where a token
+does: a byte-fallback tokenizer decodes a run of byte tokens holding an invalid byte as one U+FFFD
+per byte, so a stray continuation byte after a complete character turns that character into U+FFFDs.
+The stream keeps what it gave out and goes on from there.
+
+Two decoders give the same text (``decoder_for``): tokenizers' ``DecodeStream`` over a fast
+tokenizer's backend (``gateway.stream_decoder``) when ``tokenizer.decode`` is the backend's decode
+(no text clean-up), and windows of ``tokenizer.decode`` (``gateway.window_decoder``) otherwise.
+
+``skip_special_tokens`` drops special tokens from the text, as ``decode`` does.
+``spaces_between_special_tokens`` off (with special tokens kept) gives an added token that follows
+another one as its bare content, as vLLM does for fast tokenizers (whose ``decode`` takes no such
+option); a slow tokenizer gets it as ``decode``'s own option.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
-REPLACEMENT_CHAR = "\ufffd"
+from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerFast
+
+from gateway.stream_decoder import StreamDecoder
+from gateway.window_decoder import REPLACEMENT_CHAR, WindowDecoder
+
+MIN_TAIL = 4  # prompt tokens the stream starts from, at least
+MAX_TAIL = 32  # and at most
 
 
 class Decoder(Protocol):
-    """The one tokenizer method the detokenizer needs (a transformers tokenizer fits)."""
+    def add(self, token_ids: Sequence[int]) -> str: ...
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+    def flush(self) -> str: ...
 
 
 class IncrementalDetokenizer:
-    """Turns generated token ids into text deltas, holding back incomplete characters.
+    """Turns generated token ids into text deltas (``add``), then ``flush`` at the end of the stream.
 
-    Each step decodes only the window ``ids[prefix_offset:]`` and compares it with the decoded
-    ``ids[prefix_offset:read_offset]``, so the cost per step is bounded by the window, not by the
-    length of the stream. Keeping the token before the new ones in the window lets tokenizers that
-    drop the leading space of the first decoded token (SentencePiece) produce the right spaces. An
-    unfinished multi-byte character at the end of the window decodes as U+FFFD; it is held until
-    the tokens that complete it arrive.
+    ``use_decode_stream``: None picks by tokenizer (``decode_stream_fits``); False forces the
+    windowed decode (True forces the stream, for tests: a tokenizer it does not fit is refused).
     """
 
-    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        use_decode_stream: bool | None = None,
+    ) -> None:
+        fits = decode_stream_fits(tokenizer)
+        if use_decode_stream and not fits:
+            raise ValueError("this tokenizer's decode is not its backend's: DecodeStream does not fit it")
+        stream = fits if use_decode_stream is None else use_decode_stream
+        decode = decode_function(tokenizer, skip_special_tokens, spaces_between_special_tokens)
+        self._decoder: Decoder = (
+            StreamDecoder(tokenizer.backend_tokenizer, skip_special_tokens)
+            if stream
+            else WindowDecoder(decode)
+        )
+        self.uses_decode_stream = stream
+        for token in prompt_tail(prompt_ids, decode):  # one at a time: a split last character stays held
+            self._decoder.add([token])
+        self._bare_tokens: Mapping[int, str] = {}
+        fast = isinstance(tokenizer, PreTrainedTokenizerFast)
+        if not skip_special_tokens and not spaces_between_special_tokens and fast:
+            self._bare_tokens = added_tokens(tokenizer.backend_tokenizer)
+        self._last_added = False
         self._ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
-        self._prefix_text = ""
-        self._emitted = 0
         self._parts: list[str] = []
         self._finished = False
 
@@ -43,52 +89,74 @@ class IncrementalDetokenizer:
 
     @property
     def token_ids(self) -> list[int]:
-        """A copy of all token ids added so far."""
+        """A copy of all generated token ids added so far."""
         return list(self._ids)
 
     def add(self, token_ids: Sequence[int]) -> str:
-        """Append generated tokens; return the text they make final (possibly empty).
-
-        Characters before an unfinished one are final and are returned at once; the unfinished
-        character (decoded as trailing U+FFFD) is held until a later token completes it.
-        """
+        """Append generated tokens; return the text they make final (possibly empty)."""
         if self._finished:
             raise RuntimeError("add() called after flush(); the stream is finished")
-        if not token_ids:
-            return ""
-        self._ids.extend(token_ids)
-        new_text = self._decode(self._ids[self._prefix_offset :])
-        done = len(self._prefix_text) + self._emitted
-        if new_text.endswith(REPLACEMENT_CHAR):
-            delta = new_text.rstrip(REPLACEMENT_CHAR)[done:]
-            self._emitted += len(delta)
-        elif len(new_text) > done:
-            delta = new_text[done:]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
-            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-            self._emitted = 0
-        else:
-            delta = ""
+        texts = []
+        for token in token_ids:
+            self._ids.append(token)
+            text = self._decoder.add([token])
+            bare = self._bare_tokens.get(token)
+            if bare is not None and self._last_added:
+                text = bare
+            self._last_added = bare is not None
+            texts.append(text)
+        delta = "".join(texts)
         if delta:
             self._parts.append(delta)
         return delta
 
     def flush(self) -> str:
-        """Return the text still held (an unfinished character decodes as U+FFFD) and end the stream."""
+        """Return the text still held (an unfinished character as U+FFFD) and end the stream."""
         if self._finished:
             return ""
         self._finished = True
-        if self._read_offset == len(self._ids):
-            return ""
-        new_text = self._decode(self._ids[self._prefix_offset :])
-        delta = new_text[len(self._prefix_text) + self._emitted :]
-        self._prefix_offset = self._read_offset = len(self._ids)
-        self._prefix_text = ""
-        self._emitted = 0
+        delta = self._decoder.flush()
         if delta:
             self._parts.append(delta)
         return delta
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+def decode_stream_fits(tokenizer: Any) -> bool:
+    """Whether ``tokenizer.decode`` is its backend's decode, which ``DecodeStream`` steps through."""
+    return (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and type(tokenizer)._decode is PreTrainedTokenizerFast._decode
+        and isinstance(getattr(tokenizer, "backend_tokenizer", None), Tokenizer)
+        and not tokenizer.clean_up_tokenization_spaces
+    )
+
+
+def decode_function(
+    tokenizer: Any, skip_special_tokens: bool, spaces_between_special_tokens: bool
+) -> Callable[[list[int]], str]:
+    """``tokenizer.decode`` with the stream's options (a fast tokenizer takes no spacing option)."""
+    options: dict[str, bool] = {"skip_special_tokens": skip_special_tokens}
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        options["spaces_between_special_tokens"] = spaces_between_special_tokens
+
+    def decode(token_ids: list[int]) -> str:
+        return str(tokenizer.decode(token_ids, **options))
+
+    return decode
+
+
+def prompt_tail(prompt_ids: Sequence[int], decode: Callable[[list[int]], str]) -> list[int]:
+    """The end of the prompt the stream starts from: the shortest one of at least MIN_TAIL tokens
+    that decodes to some text with no U+FFFD before its end (a split last character is fine: the
+    output completes it), else the last MAX_TAIL tokens."""
+    ids = list(prompt_ids)
+    for size in range(min(MIN_TAIL, len(ids)), min(MAX_TAIL, len(ids)) + 1):
+        text = decode(ids[len(ids) - size :]).rstrip(REPLACEMENT_CHAR)
+        if text and REPLACEMENT_CHAR not in text:
+            return ids[len(ids) - size :]
+    return ids[-MAX_TAIL:]
+
+
+def added_tokens(backend: Tokenizer) -> dict[int, str]:
+    """Every added token of ``backend`` (special or not): id -> content."""
+    return {token_id: token.content for token_id, token in backend.get_added_tokens_decoder().items()}

@@ -1,8 +1,9 @@
 """OpenAI-compatible HTTP API of the gateway, over the same request flow as the gRPC API.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed as server-sent events or
-whole), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` and ``GET /metrics`` (the
-gateway's Prometheus registry, as on ``--metrics-port``). A client that disconnects cancels its
+whole), ``GET /v1/models``, ``GET /v1/models/{id}`` (404 for another id), ``POST /tokenize``,
+``POST /detokenize`` and ``GET /version`` (``gateway.tokenize_api``), ``GET /health`` and
+``GET /metrics`` (the gateway's Prometheus registry, as on ``--metrics-port``). A client that disconnects cancels its
 request, and with it decode; KV not yet pulled is released on the prefill. With an API key, calls
 under ``/v1`` need it (``gateway.api_key``).
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import secrets
 import time
 from collections.abc import AsyncGenerator, Callable
 
@@ -58,6 +60,7 @@ from gateway.openai_models import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    ModelPermission,
     SamplingFields,
 )
 from gateway.openai_requests import (
@@ -72,6 +75,7 @@ from gateway.openai_requests import (
 from gateway.prompt_input import PromptInput
 from gateway.prompt_options import completion_prompt, truncated
 from gateway.request_flow import RequestFlow
+from gateway.tokenize_api import TokenizeApi
 from pdserve.core.limits import ModelLimits
 from pdserve.core.sampling import SamplingParams
 from pdserve.v1 import gateway_pb2
@@ -93,6 +97,7 @@ class OpenAIApi:
         admission: Admission,
         api_key: str = "",
         defaults: SamplingParams | None = None,
+        model_root: str = "",
     ) -> None:
         """``defaults``: the sampling defaults of fields a request omits (``gateway.generation_defaults``)."""
         self._flow = flow
@@ -105,7 +110,10 @@ class OpenAIApi:
         self._model_id = model_id
         self._api_key = api_key
         self._defaults = defaults or SamplingParams()
+        self._model_root = model_root or model_id
         self._created = int(time.time())
+        self._permission_id = f"modelperm-{secrets.token_hex(12)}"
+        self._tokens = TokenizeApi(prompts, limits, inputs, model_id)
         self.draining = False
 
     def app(self) -> FastAPI:
@@ -117,6 +125,9 @@ class OpenAIApi:
         )
         app.add_api_route("/v1/models", self.models, methods=["GET"], response_model=None)
         app.add_api_route("/v1/models/{model:path}", self.model, methods=["GET"], response_model=None)
+        app.add_api_route("/tokenize", self._tokens.tokenize, methods=["POST"], response_model=None)
+        app.add_api_route("/detokenize", self._tokens.detokenize, methods=["POST"], response_model=None)
+        app.add_api_route("/version", self._tokens.version, methods=["GET"], response_model=None)
         app.add_api_route("/health", self.health, methods=["GET"], response_model=None)
         app.add_api_route("/metrics", self.metrics, methods=["GET"], response_model=None)
         if self._api_key:
@@ -228,7 +239,13 @@ class OpenAIApi:
         return Response(generate_latest(self._metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def _card(self) -> ModelCard:
-        return ModelCard(id=self._model_id, created=self._created, max_model_len=self._limits.max_model_len)
+        return ModelCard(
+            id=self._model_id,
+            created=self._created,
+            root=self._model_root,
+            max_model_len=self._limits.max_model_len,
+            permission=[ModelPermission(id=self._permission_id, created=self._created)],
+        )
 
     def _admit(self, body: SamplingFields) -> None:
         if self.draining:

@@ -66,6 +66,8 @@ class SamplingFields(StructuredFields):
     vllm_xargs: dict[str, Any] | None = None
     repetition_detection: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
+    skip_special_tokens: bool = True  # vLLM's: the text leaves special tokens out
+    spaces_between_special_tokens: bool = True  # vLLM's (see gateway.detokenizer)
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for each field set to something pdserve cannot do."""
@@ -260,12 +262,34 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class ModelPermission(BaseModel):
+    """vLLM's model permission object (informational: pdserve grants what it lists)."""
+
+    id: str
+    object: Literal["model_permission"] = "model_permission"
+    created: int
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
+    """The model object of ``/v1/models`` and ``/v1/models/{id}``, in vLLM's shape."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "pdserve"
+    root: str | None = None  # the model the gateway was started with (--model)
+    parent: str | None = None
     max_model_len: int
+    permission: list[ModelPermission] = Field(default_factory=list)
 
 
 class ModelList(BaseModel):

@@ -57,6 +57,8 @@ def sampling_params(
         logit_bias=logit_bias(body.logit_bias),
         allowed_token_ids=allowed_token_ids(body.allowed_token_ids),
         include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
     )
 
 
@@ -122,16 +124,23 @@ class ChatPrompt:
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
 
-    def token_ids(self, messages: list[ChatMessage], body: ChatCompletionRequest | None = None) -> list[int]:
-        """The template over ``messages``, with ``body``'s templating fields as vLLM's:
+    def token_ids(
+        self,
+        messages: list[ChatMessage],
+        body: ChatCompletionRequest | None = None,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """The template over ``messages``, with ``body``'s templating fields as vLLM's when given:
         ``add_generation_prompt``, ``continue_final_message``, ``documents`` and
-        ``add_special_tokens`` (the tokenizer's own special tokens on top of the template's)."""
+        ``add_special_tokens`` (the tokenizer's own special tokens on top of the template's);
+        else ``add_generation_prompt`` and ``add_special_tokens`` (``/tokenize``)."""
         if not getattr(self._tokenizer, "chat_template", None):
             raise bad_request("messages: this model has no chat template", "messages")
         conversation = [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages
         ]
-        options: dict[str, Any] = {"add_generation_prompt": True}
+        options: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
         if body is not None:
             options = {
                 "add_generation_prompt": body.add_generation_prompt,
@@ -143,7 +152,7 @@ class ChatPrompt:
             text = self._tokenizer.apply_chat_template(conversation, tokenize=False, **options)
         except (TemplateError, ValueError) as exc:
             raise bad_request(f"messages: the chat template refused them: {exc}", "messages") from exc
-        special = body is not None and body.add_special_tokens
+        special = body.add_special_tokens if body is not None else add_special_tokens
         return list(self._tokenizer(text, add_special_tokens=special).input_ids)
 
 

@@ -145,6 +145,21 @@ class _Progress:
     hide_stop_token: bool = True  # a stop token's text is not returned (include_stop_str_in_output off)
     stop_token_ids: frozenset[int] = frozenset()
 
+    @classmethod
+    def of(
+        cls, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, tokenizer: Any
+    ) -> _Progress:
+        """A request (or one of its choices) that has streamed nothing yet."""
+        return cls(
+            request_id,
+            list(prompt_ids),
+            sampling_to_proto(params),
+            TextStream(tokenizer, params, prompt_ids),
+            history=params.needs_history,
+            hide_stop_token=not params.include_stop_str_in_output,
+            stop_token_ids=frozenset(params.stop_token_ids),
+        )
+
     def prefill_request(self) -> prefill_pb2.PrefillRequest:
         """The prefill of the request from where it is: the prompt, then every delivered token
         (the prompt's logprobs, delivered with the first token, are not asked for again)."""
@@ -271,15 +286,7 @@ class RequestFlow:
         if not params.is_greedy and params.seed is None:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         started = time.perf_counter()
-        run = _Progress(
-            request_id,
-            list(prompt_ids),
-            sampling_to_proto(params),
-            TextStream(self._tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens),
-            history=params.needs_history,
-            hide_stop_token=not params.include_stop_str_in_output,
-            stop_token_ids=frozenset(params.stop_token_ids),
-        )
+        run = _Progress.of(request_id, prompt_ids, params, self._tokenizer)
 
         prefill, first, sent_at = await self._prefill(
             run.prefill_request(), timer, avoid=(), delivered=0, deadline=deadline
@@ -290,12 +297,7 @@ class RequestFlow:
             runs, answers = [run], [first]
         else:
             runs = [
-                _Progress(
-                    request_id,
-                    list(prompt_ids),
-                    sampling_to_proto(choice),
-                    TextStream(self._tokenizer, choice.stop),
-                )
+                _Progress.of(request_id, prompt_ids, choice, self._tokenizer)
                 for choice in choices_params(params)
             ]
             answers = choice_answers(first, params.n)

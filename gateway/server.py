@@ -2,7 +2,8 @@
 ``dns:///`` names, called with the internal credential), gRPC and HTTP servers (the API key and
 TLS of ``--api-key``/``--tls-cert``), and the metrics server.
 
-A port it cannot bind ends it at start with one error line (exit 1), nothing else started."""
+A port it cannot bind, or a ``--chat-template`` it cannot read or compile, ends it at start with one
+error line (exit 1), nothing else started."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from gateway.admission import Admission
 from gateway.backends import decode_pool, prefill_pool
+from gateway.chat_template import load_chat_template
 from gateway.discovery import Discovery, Resolver, fixed_addresses, resolve_dns
 from gateway.generation_defaults import generation_defaults
 from gateway.http_api import OpenAIApi
@@ -42,6 +44,13 @@ async def serve(config: GatewayConfig, resolver: Resolver = resolve_dns) -> None
     """Runs the gateway until SIGTERM/SIGINT; ``resolver`` answers for its ``dns:///`` backends."""
     model_dir = await asyncio.to_thread(resolve_model_dir, config.model, config.cache_dir or None)
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, model_dir)
+    try:
+        chat_template = await asyncio.to_thread(load_chat_template, config.chat_template)
+    except ValueError as error:
+        logger.error("gateway: --chat-template: %s", error)
+        raise SystemExit(1) from None
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template  # in place of the model's, for every chat request
     hf_config = await asyncio.to_thread(AutoConfig.from_pretrained, model_dir)
     limits = ModelLimits.from_config(hf_config, config.max_model_len, eos_token_ids(model_dir, hf_config))
     defaults = await asyncio.to_thread(generation_defaults, config.generation_config, str(model_dir))
@@ -60,7 +69,16 @@ async def serve(config: GatewayConfig, resolver: Resolver = resolve_dns) -> None
     inputs = InputLimits(config.limits)
     admission = Admission(config.limits.max_in_flight, config.limits.retry_after_s, metrics)
     api = OpenAIApi(
-        flow, metrics, prompts, limits, config.model_id, inputs, admission, config.public.api_key, defaults
+        flow,
+        metrics,
+        prompts,
+        limits,
+        config.model_id,
+        inputs,
+        admission,
+        config.public.api_key,
+        defaults,
+        model_root=config.model,
     )
     try:
         server = ServiceServer(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.stop_strings import StopStringMatcher
+from pdserve.core.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -17,14 +19,20 @@ class TextChunk:
 
 
 class TextStream:
-    def __init__(
-        self, tokenizer: Any, stop: tuple[str, ...], include_stop: bool = False, min_tokens: int = 0
-    ) -> None:
-        """``include_stop``: the text keeps the stop string; ``min_tokens``: the text of the first
-        ``min_tokens`` tokens is not searched for stop strings (as vLLM)."""
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
-        self._stops = StopStringMatcher(stop, include_stop)
-        self._min_tokens = min_tokens
+    """The text of one request's tokens: decoded after ``prompt_ids`` (the prompt's end gives the
+    first token its context), with the request's special-token options and stop strings
+    (``include_stop_str_in_output``: the text keeps the stop string; the text of the first
+    ``min_tokens`` tokens is not searched for stop strings, as vLLM)."""
+
+    def __init__(self, tokenizer: Any, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> None:
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer,
+            prompt_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
+        self._stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self._min_tokens = params.min_tokens
         self.num_tokens = 0
 
     @property

@@ -427,6 +427,7 @@ INTERNAL_ENV = [
                 "PDSERVE_HTTP_PORT",
                 "PDSERVE_SERVED_MODEL_NAME",
                 "PDSERVE_GENERATION_CONFIG",
+                "PDSERVE_CHAT_TEMPLATE",
                 "PDSERVE_MAX_STOP_STRINGS",
                 "PDSERVE_MAX_STOP_BYTES",
                 "PDSERVE_MAX_STOP_TOKEN_IDS",

@@ -1,27 +1,25 @@
-"""IncrementalDetokenizer against offline-trained byte-level BPE and SentencePiece-style tokenizers."""
+"""IncrementalDetokenizer on every tokenizer kind (``tests.tokenizer_kinds``), through both of its
+decoders (tokenizers' DecodeStream and the windowed decode): the streamed text is the text the
+prompt and the output decode to past the prompt's own."""
 
 # ruff: noqa: RUF001
 
 from __future__ import annotations
 
-import json
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 
-from gateway.detokenizer import IncrementalDetokenizer
+from gateway.detokenizer import IncrementalDetokenizer, decode_stream_fits, prompt_tail
+from gateway.text_stream import TextStream
+from pdserve.core.sampling import SamplingParams
+from tests.tokenizer_kinds import KINDS, byte_fallback_bpe, byte_level_bpe, metaspace_bpe, wordpiece
 
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog. Hello world! How are you today?",
-    "Café crème brûlée, naïve façade, señor, Zürich, Ærøskøbing, déjà vu, Ångström.",
-    "中文测试，你好世界。日本語のテキスト、こんにちは。한국어 텍스트입니다.",
-    "Emoji: 😀 🎉 👍🏽 👨‍👩‍👧 🇫🇷 ❤️ and more 🚀✨ in a sentence.",
-    "  leading spaces and\ttabs\nnew lines\n\n  indented code: def f(x): return x + 1",
-]
-
+FFFD = "\ufffd"
 TEXTS = [
     "Hello world",
     " Hello  world, how are you?",
@@ -31,123 +29,29 @@ TEXTS = [
     "Emoji 👍🏽 family 👨‍👩‍👧 flag 🇫🇷 rocket🚀✨",
     "  two leading spaces\n\nand\ttabs",
     "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 outside the BMP: 𐍈 𝄞",
-    "zebra quiz 日本 ξ ж ☃ ✓",
 ]
-
-ALPHABET = "abc xyz éàüñ中文日本語😀👍🏽🎉 ,.!\n"
-
-BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]
-
-
-def byte_level_bpe() -> PreTrainedTokenizerFast:
-    """A GPT-2 style byte-level BPE with two special tokens."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=420,
-        special_tokens=["<|endoftext|>", "<|im_start|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(CORPUS * 5, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token="<|endoftext|>",
-        bos_token="<|im_start|>",
-        clean_up_tokenization_spaces=False,
-    )
+ALPHABET = "abc xyz PFéàüñ中文日本語😀👍🏽🎉€ ,.!\n"
+DECODERS = {"stream": True, "window": False}
+TOKENIZERS = {name: build() for name, build in KINDS.items()}
 
 
-def _with_byte_fallback(tokenizer: Tokenizer) -> Tokenizer:
-    """Add the 256 ``<0xXX>`` tokens to the model vocabulary and turn byte fallback on."""
-    spec = json.loads(tokenizer.to_str())
-    vocab = spec["model"]["vocab"]
-    for token in BYTE_TOKENS:
-        vocab.setdefault(token, len(vocab))
-    spec["model"]["byte_fallback"] = True
-    spec["model"]["unk_token"] = "<unk>"
-    return Tokenizer.from_str(json.dumps(spec))
-
-
-def _sentencepiece_like(
-    setup: Callable[[Tokenizer], None],
-) -> PreTrainedTokenizerFast:
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    setup(tokenizer)
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        limit_alphabet=50,
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(CORPUS * 5, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=_with_byte_fallback(tokenizer),
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        clean_up_tokenization_spaces=False,
-    )
-
-
-def llama_style() -> PreTrainedTokenizerFast:
-    """Llama-2 style: "▁" for spaces, byte fallback, and one leading space stripped on decode."""
-
-    def setup(tokenizer: Tokenizer) -> None:
-        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement="▁", prepend_scheme="never", split=True
-        )
-        tokenizer.decoder = decoders.Sequence(
-            [
-                decoders.Replace("▁", " "),
-                decoders.ByteFallback(),
-                decoders.Fuse(),
-                decoders.Strip(" ", 1, 0),
-            ]
-        )
-
-    return _sentencepiece_like(setup)
-
-
-def metaspace_style() -> PreTrainedTokenizerFast:
-    """Metaspace pre-tokenizer and decoder ("▁" prepended to the first word) with byte fallback."""
-
-    def setup(tokenizer: Tokenizer) -> None:
-        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-        tokenizer.decoder = decoders.Sequence(
-            [decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="first")]
-        )
-
-    return _sentencepiece_like(setup)
-
-
-BUILDERS = {"byte_level": byte_level_bpe, "llama": llama_style, "metaspace": metaspace_style}
-
-
-@pytest.fixture(scope="module", params=sorted(BUILDERS))
+@pytest.fixture(params=sorted(TOKENIZERS))
 def tokenizer(request: pytest.FixtureRequest) -> PreTrainedTokenizerFast:
-    return BUILDERS[request.param]()
+    return TOKENIZERS[request.param]
 
 
-@pytest.fixture(scope="module")
-def byte_level() -> PreTrainedTokenizerFast:
-    return byte_level_bpe()
-
-
-@pytest.fixture(scope="module")
-def llama() -> PreTrainedTokenizerFast:
-    return llama_style()
+@pytest.fixture(params=sorted(DECODERS))
+def use_stream(request: pytest.FixtureRequest) -> bool:
+    return DECODERS[request.param]
 
 
 def stream(
-    detok: IncrementalDetokenizer, ids: Sequence[int], chunk_sizes: Sequence[int] | None = None
+    detok: IncrementalDetokenizer, ids: Sequence[int], chunk_sizes: Sequence[int] = ()
 ) -> tuple[list[str], str]:
     """Feed ``ids`` in chunks (one token at a time by default); return the deltas and the flush."""
     deltas = []
     position = 0
-    sizes = iter(chunk_sizes or [])
+    sizes = iter(chunk_sizes)
     while position < len(ids):
         size = next(sizes, 1)
         deltas.append(detok.add(ids[position : position + size]))
@@ -155,272 +59,359 @@ def stream(
     return deltas, detok.flush()
 
 
-def random_chunks(rng: random.Random, total: int) -> list[int]:
-    sizes: list[int] = []
-    while sum(sizes) < total:
-        sizes.append(rng.choice([1, 1, 1, 2, 3, 5]))
-    return sizes
+def expected_text(tok: PreTrainedTokenizerFast, prompt: list[int], output: list[int], skip: bool) -> str:
+    """decode(prompt + output) past decode(prompt) (a split last character of the prompt aside)."""
+    prompt_text = tok.decode(prompt, skip_special_tokens=skip).rstrip(FFFD)
+    full = tok.decode(prompt + output, skip_special_tokens=skip)
+    assert full.startswith(prompt_text)
+    return full[len(prompt_text) :]
 
 
-def special_ids(tok: PreTrainedTokenizerFast) -> list[int]:
+def rewrites_text(tok: PreTrainedTokenizerFast, prompt: list[int], output: list[int], skip: bool) -> bool:
+    """Whether a token changes text decoded before it (then only best effort is promised)."""
+    full = tok.decode(prompt + output, skip_special_tokens=skip)
+    return any(
+        not full.startswith(tok.decode(prompt + output[:k], skip_special_tokens=skip).rstrip(FFFD))
+        for k in range(len(output) + 1)
+    )
+
+
+def encoded(tok: PreTrainedTokenizerFast, text: str) -> list[int]:
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def specials(tok: PreTrainedTokenizerFast) -> list[int]:
     return sorted(set(tok.all_special_ids))
 
 
-@pytest.mark.parametrize("text", TEXTS)
-def test_round_trip_one_token_at_a_time(tokenizer: PreTrainedTokenizerFast, text: str) -> None:
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer)
-    deltas, tail = stream(detok, ids)
-    expected = tokenizer.decode(ids)
-    assert expected.lstrip(" ") == text.lstrip(" ")
-    assert "".join(deltas) == expected
-    assert tail == ""
+@st.composite
+def prompt_and_output(
+    draw: st.DrawFn, tok: PreTrainedTokenizerFast
+) -> tuple[list[int], list[int], list[int]]:
+    """A prompt (text, maybe special tokens), an output of text pieces, special tokens and any ids
+    at all, and the chunk sizes the output arrives in."""
+    words = st.text(alphabet=ALPHABET, min_size=1, max_size=12)
+    prompt = encoded(tok, draw(words))
+    if draw(st.booleans()):
+        prompt = [*draw(st.lists(st.sampled_from(specials(tok)), max_size=2)), *prompt]
+        prompt += draw(st.lists(st.sampled_from(specials(tok)), max_size=2))
+    pieces = st.one_of(
+        words.map(lambda text: encoded(tok, text)),
+        st.lists(st.sampled_from(specials(tok)), min_size=1, max_size=3),
+        st.lists(st.integers(0, len(tok) - 1), min_size=1, max_size=4),
+    )
+    output = [token for piece in draw(st.lists(pieces, min_size=1, max_size=6)) for token in piece]
+    sizes = draw(st.lists(st.integers(1, 4), min_size=len(output), max_size=len(output)))
+    return prompt, output, sizes
+
+
+@pytest.mark.parametrize("kind", sorted(TOKENIZERS))
+@pytest.mark.parametrize("decoder", sorted(DECODERS))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), skip=st.booleans())
+def test_streamed_text_is_the_decode_past_the_prompt(
+    kind: str, decoder: str, data: st.DataObject, skip: bool
+) -> None:
+    tok = TOKENIZERS[kind]
+    prompt, output, sizes = data.draw(prompt_and_output(tok))
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip, use_decode_stream=DECODERS[decoder])
+    deltas, tail = stream(detok, output, sizes)
+    assert detok.text == "".join(deltas) + tail
+    assert detok.token_ids == output
+    if rewrites_text(tok, prompt, output, skip):
+        return
+    expected = expected_text(tok, prompt, output, skip)
     assert detok.text == expected
-    assert all("\ufffd" not in delta for delta in deltas)
+    if FFFD not in expected:
+        assert all(FFFD not in delta for delta in deltas)
+    assert not any(delta.endswith(FFFD) for delta in deltas)
 
 
-@pytest.mark.parametrize("text", TEXTS)
-def test_text_is_emitted_as_soon_as_the_prefix_decodes_cleanly(
-    tokenizer: PreTrainedTokenizerFast, text: str
-) -> None:
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer)
-    for k, token in enumerate(ids, start=1):
-        detok.add([token])
-        prefix = tokenizer.decode(ids[:k])
-        if prefix.endswith("\ufffd"):
-            assert "\ufffd" not in detok.text
-        else:
-            assert detok.text == prefix
+@pytest.mark.parametrize("kind", sorted(TOKENIZERS))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), skip=st.booleans())
+def test_stop_strings_apply_to_that_text(kind: str, data: st.DataObject, skip: bool) -> None:
+    """The text stream cut at a stop string taken from the output's own text."""
+    tok = TOKENIZERS[kind]
+    prompt, output, _ = data.draw(prompt_and_output(tok))
+    if rewrites_text(tok, prompt, output, skip):
+        return
+    text = expected_text(tok, prompt, output, skip)
+    if not text.strip(FFFD):
+        return
+    start = data.draw(st.integers(0, len(text) - 1))
+    stop = text[start : start + data.draw(st.integers(1, 4))]
+    params = SamplingParams(stop=(stop,), skip_special_tokens=skip)
+    stream_ = TextStream(tok, params, prompt)
+    chunk = stream_.add(output)
+    got = chunk.text
+    if not chunk.stopped:
+        end = stream_.finish()
+        got += end.text
+        assert end.stopped
+    assert got == text[: text.index(stop)]
 
 
-def test_multibyte_characters_really_are_split_across_tokens(tokenizer: PreTrainedTokenizerFast) -> None:
-    """The fixtures exercise the hard case: a prefix of the ids decodes to a partial character."""
-    ids = tokenizer.encode("中文😀👍🏽", add_special_tokens=False)
-    partial = [k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")]
-    assert partial
-    detok = IncrementalDetokenizer(tokenizer)
-    deltas, tail = stream(detok, ids)
-    assert all("\ufffd" not in deltas[k - 1] for k in partial)
-    assert "".join(deltas) + tail == "中文😀👍🏽"
+@pytest.mark.parametrize("kind", ["metaspace_bpe", "unigram_metaspace", "byte_fallback_bpe"])
+def test_metaspace_first_token_keeps_its_leading_space(kind: str, use_stream: bool) -> None:
+    """``▁Paris`` after the prompt is " Paris", as decode(prompt + output) has it."""
+    tok = TOKENIZERS[kind]
+    prompt = encoded(tok, "The capital of France is")
+    output = encoded(tok, "Paris")
+    assert tok.convert_ids_to_tokens(output)[0].startswith("▁")
+    assert not tok.decode(output).startswith(" ")
+    detok = IncrementalDetokenizer(tok, prompt, use_decode_stream=use_stream)
+    deltas, tail = stream(detok, output)
+    assert deltas[0].startswith(" ")
+    assert "".join(deltas) + tail == " Paris"
+    assert detok.text == tok.decode(prompt + output)[len(tok.decode(prompt)) :]
 
 
-@pytest.mark.parametrize(
-    ("text", "tokens", "expected"),
-    [
-        (
-            "ok 👍🏽!",
-            ["o", "k", "ĠðŁĳ", "įðŁ", "ı", "½", "!"],
-            ["o", "k", " ", "👍", "", "🏽", "!"],
-        ),
-        (
-            "ok 中文!",
-            ["o", "k", "Ġ", "ä¸", "Ń", "æĸ", "ĩ", "!"],
-            ["o", "k", " ", "", "中", "", "文", "!"],
-        ),
-    ],
-)
-def test_split_characters_exact_deltas(
-    byte_level: PreTrainedTokenizerFast, text: str, tokens: list[str], expected: list[str]
-) -> None:
-    """Text before an unfinished character goes out at once; the character waits for its last byte."""
-    ids = byte_level.encode(text, add_special_tokens=False)
-    assert byte_level.convert_ids_to_tokens(ids) == tokens
-    detok = IncrementalDetokenizer(byte_level)
-    deltas, tail = stream(detok, ids)
-    assert deltas == expected
-    assert tail == ""
-
-
-@pytest.mark.parametrize("text", TEXTS)
-def test_byte_level_emits_everything_but_the_unfinished_character(
-    byte_level: PreTrainedTokenizerFast, text: str
-) -> None:
-    ids = byte_level.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(byte_level)
-    for k, token in enumerate(ids, start=1):
-        detok.add([token])
-        assert detok.text == byte_level.decode(ids[:k]).rstrip("\ufffd")
-
-
-def test_leading_spaces_are_kept_between_tokens(llama: PreTrainedTokenizerFast) -> None:
-    text = "Hello world, how are you today?"
-    ids = llama.encode(text, add_special_tokens=False)
-    tokens = llama.convert_ids_to_tokens(ids)
-    assert any(t.startswith("▁") and len(t) > 1 for t in tokens[1:])
-    assert "".join(llama.decode([i]) for i in ids) != text
-    detok = IncrementalDetokenizer(llama)
-    deltas, tail = stream(detok, ids)
-    assert "".join(deltas) + tail == text
-    assert any(d.startswith(" ") for d in deltas)
-
-
-def test_leading_space_of_first_token_follows_decode(llama: PreTrainedTokenizerFast) -> None:
-    hello = llama.convert_tokens_to_ids("▁Hello")
-    assert llama.convert_ids_to_tokens([hello]) == ["▁Hello"]
-    assert llama.decode([hello, hello]) == "Hello Hello"
-    detok = IncrementalDetokenizer(llama)
+def test_without_a_prompt_the_first_token_decodes_alone(use_stream: bool) -> None:
+    tok = TOKENIZERS["metaspace_bpe"]
+    hello = tok.convert_tokens_to_ids("▁Hello")
+    detok = IncrementalDetokenizer(tok, use_decode_stream=use_stream)
     assert detok.add([hello]) == "Hello"
     assert detok.add([hello]) == " Hello"
     assert detok.flush() == ""
 
 
+@pytest.mark.parametrize("kind", ["byte_fallback_bpe", "metaspace_byte_fallback_bpe"])
+def test_byte_fallback_pieces_make_one_character(kind: str, use_stream: bool) -> None:
+    tok = TOKENIZERS[kind]
+    euro = tok.convert_tokens_to_ids(["<0xE2>", "<0x82>", "<0xAC>"])
+    prompt = encoded(tok, "It costs")
+    detok = IncrementalDetokenizer(tok, prompt, use_decode_stream=use_stream)
+    deltas, tail = stream(detok, [tok.convert_tokens_to_ids("▁"), *euro])
+    assert deltas[-1].endswith("€")
+    assert all(FFFD not in d for d in deltas)
+    assert "".join(deltas) + tail == " €"
+
+
+def test_a_character_split_between_prompt_and_output_goes_to_the_output(use_stream: bool) -> None:
+    tok = TOKENIZERS["byte_level_bpe"]
+    ids = encoded(tok, "ok 中文")
+    cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith(FFFD))
+    detok = IncrementalDetokenizer(tok, ids[:cut], use_decode_stream=use_stream)
+    deltas, tail = stream(detok, ids[cut:])
+    assert "".join(deltas) + tail == tok.decode(ids)[len(tok.decode(ids[:cut]).rstrip(FFFD)) :]
+    assert all(FFFD not in d for d in deltas)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip_one_token_at_a_time(
+    tokenizer: PreTrainedTokenizerFast, use_stream: bool, text: str
+) -> None:
+    ids = encoded(tokenizer, text)
+    detok = IncrementalDetokenizer(tokenizer, use_decode_stream=use_stream)
+    deltas, tail = stream(detok, ids)
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert tail == ""
+    assert all(FFFD not in delta for delta in deltas)
+
+
+@pytest.mark.parametrize(
+    ("text", "tokens", "window", "by_stream"),
+    [
+        (
+            "ok 👍🏽!",
+            ["o", "k", "ĠðŁĳ", "įðŁ", "ı", "½", "!"],
+            ["o", "k", " ", "👍", "", "🏽", "!"],
+            ["o", "k", "", "", "", " 👍🏽", "!"],
+        ),
+        (
+            "ok 中文!",
+            ["o", "k", "Ġ", "ä¸", "Ń", "æĸ", "ĩ", "!"],
+            ["o", "k", " ", "", "中", "", "文", "!"],
+            ["o", "k", " ", "", "中", "", "文", "!"],
+        ),
+    ],
+)
+def test_split_characters_exact_deltas(
+    text: str, tokens: list[str], window: list[str], by_stream: list[str], use_stream: bool
+) -> None:
+    """A character waits for its last byte; the windowed decode gives out the text before it at once,
+    the stream once the text no longer ends in an unfinished character."""
+    tok = TOKENIZERS["byte_level_bpe"]
+    ids = encoded(tok, text)
+    assert tok.convert_ids_to_tokens(ids) == tokens
+    deltas, tail = stream(IncrementalDetokenizer(tok, use_decode_stream=use_stream), ids)
+    assert deltas == (by_stream if use_stream else window)
+    assert tail == ""
+
+
 @pytest.mark.parametrize("skip", [True, False])
-def test_special_tokens(byte_level: PreTrainedTokenizerFast, skip: bool) -> None:
-    eos = byte_level.eos_token_id
-    ids = [
-        *byte_level.encode("Hi", add_special_tokens=False),
-        eos,
-        *byte_level.encode(" there", add_special_tokens=False),
-        eos,
-    ]
-    detok = IncrementalDetokenizer(byte_level, skip_special_tokens=skip)
+def test_special_tokens(skip: bool, use_stream: bool) -> None:
+    tok = TOKENIZERS["byte_level_bpe"]
+    eos = tok.eos_token_id
+    ids = [*encoded(tok, "Hi"), eos, *encoded(tok, " there"), eos]
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip, use_decode_stream=use_stream)
     deltas, tail = stream(detok, ids)
-    expected = "Hi there" if skip else "Hi<|endoftext|> there<|endoftext|>"
-    assert "".join(deltas) + tail == expected
-    assert detok.text == expected
+    assert "".join(deltas) + tail == ("Hi there" if skip else "Hi<|endoftext|> there<|endoftext|>")
 
 
-def test_special_tokens_skipped_sentencepiece(llama: PreTrainedTokenizerFast) -> None:
-    eos, bos = llama.eos_token_id, llama.bos_token_id
-    ids = [bos, *llama.encode("Hello world", add_special_tokens=False), eos]
-    detok = IncrementalDetokenizer(llama)
-    deltas, tail = stream(detok, ids)
-    assert "".join(deltas) + tail == "Hello world"
+@pytest.mark.parametrize("spaces", [True, False])
+def test_spaces_between_special_tokens(spaces: bool, use_stream: bool) -> None:
+    """WordPiece decodes with a space between every two tokens; spaces_between_special_tokens off
+    gives a special token after another one bare, as vLLM does for fast tokenizers."""
+    tok = TOKENIZERS["wordpiece"]
+    cls, sep = tok.cls_token_id, tok.sep_token_id
+    prompt = encoded(tok, "Hello world")
+    output = [sep, sep, *encoded(tok, "vu"), cls, sep]
+    detok = IncrementalDetokenizer(
+        tok,
+        prompt,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=spaces,
+        use_decode_stream=use_stream,
+    )
+    deltas, tail = stream(detok, output)
+    text = "".join(deltas) + tail
+    if spaces:
+        assert text == " [SEP] [SEP] vu [CLS] [SEP]"
+        assert text == expected_text(tok, prompt, output, skip=False)
+    else:
+        assert text == " [SEP][SEP] vu [CLS][SEP]"
+    skipped = IncrementalDetokenizer(tok, prompt, spaces_between_special_tokens=spaces)
+    assert "".join(stream(skipped, output)[0]) == " vu"
 
 
-def test_special_token_inside_a_split_character_is_skipped(byte_level: PreTrainedTokenizerFast) -> None:
-    ids = byte_level.encode("中", add_special_tokens=False)
-    assert len(ids) >= 2
-    with_eos = [ids[0], byte_level.eos_token_id, *ids[1:]]
-    detok = IncrementalDetokenizer(byte_level)
+def test_special_token_inside_a_split_character_is_skipped(use_stream: bool) -> None:
+    tok = TOKENIZERS["byte_level_bpe"]
+    ids = encoded(tok, "中")
+    with_eos = [ids[0], tok.eos_token_id, *ids[1:]]
+    detok = IncrementalDetokenizer(tok, use_decode_stream=use_stream)
     deltas, tail = stream(detok, with_eos)
     assert deltas[:-1] == [""] * (len(with_eos) - 1)
     assert deltas[-1] == "中"
     assert tail == ""
 
 
-def test_flush_releases_an_unfinished_character(byte_level: PreTrainedTokenizerFast) -> None:
-    ids = byte_level.encode("ab😀", add_special_tokens=False)
-    cut = ids[:-1]
-    assert byte_level.decode(cut).endswith("\ufffd")
-    detok = IncrementalDetokenizer(byte_level)
-    deltas, tail = stream(detok, cut)
-    assert "".join(deltas) == "ab"
-    assert tail.endswith("\ufffd")
-    assert "".join(deltas) + tail == byte_level.decode(cut)
+def test_flush_releases_an_unfinished_character(use_stream: bool) -> None:
+    tok = TOKENIZERS["byte_level_bpe"]
+    prompt = encoded(tok, "The fox")
+    ids = encoded(tok, " ab😀")[:-1]
+    detok = IncrementalDetokenizer(tok, prompt, use_decode_stream=use_stream)
+    deltas, tail = stream(detok, ids)
+    assert "".join(deltas) == " ab"
+    assert tail == FFFD
     assert detok.flush() == ""
 
 
-@pytest.mark.parametrize("seed", range(40))
-@pytest.mark.parametrize("skip", [True, False])
-def test_random_ids_byte_level(byte_level: PreTrainedTokenizerFast, seed: int, skip: bool) -> None:
-    """Any id sequence, valid UTF-8 or not, streams to exactly the full decode."""
-    rng = random.Random(seed)
-    ids = [rng.randrange(len(byte_level)) for _ in range(rng.randrange(1, 60))]
-    detok = IncrementalDetokenizer(byte_level, skip_special_tokens=skip)
-    deltas, tail = stream(detok, ids, random_chunks(rng, len(ids)))
-    assert "".join(deltas) + tail == byte_level.decode(ids, skip_special_tokens=skip)
-    assert not any(delta.endswith("\ufffd") for delta in deltas)
-
-
-@pytest.mark.parametrize("seed", range(40))
-@pytest.mark.parametrize("skip", [True, False])
-def test_random_text_with_special_tokens(tokenizer: PreTrainedTokenizerFast, seed: int, skip: bool) -> None:
-    """Generated-looking streams: encoded words with special tokens in between, in random chunks."""
-    rng = random.Random(seed)
-    ids: list[int] = []
-    for _ in range(rng.randrange(1, 8)):
-        word = "".join(rng.choice(ALPHABET) for _ in range(rng.randrange(1, 10)))
-        ids.extend(tokenizer.encode(word, add_special_tokens=False))
-        if rng.random() < 0.4:
-            ids.append(rng.choice(special_ids(tokenizer)))
-    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
-    deltas, tail = stream(detok, ids, random_chunks(rng, len(ids)))
-    expected = tokenizer.decode(ids, skip_special_tokens=skip)
-    assert "".join(deltas) + tail == expected
-    assert detok.text == expected
-    assert all("\ufffd" not in delta for delta in deltas)
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_random_ids_with_special_tokens_anywhere_when_skipped(
-    tokenizer: PreTrainedTokenizerFast, seed: int
-) -> None:
-    rng = random.Random(seed)
-    text = "".join(rng.choice(ALPHABET) for _ in range(rng.randrange(1, 30)))
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    for _ in range(rng.randrange(1, 4)):
-        ids.insert(rng.randrange(len(ids) + 1), rng.choice(special_ids(tokenizer)))
-    detok = IncrementalDetokenizer(tokenizer)
-    deltas, tail = stream(detok, ids, random_chunks(rng, len(ids)))
-    assert "".join(deltas) + tail == tokenizer.decode(ids, skip_special_tokens=True)
-    assert all("\ufffd" not in delta for delta in deltas)
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_random_ids_sentencepiece(tokenizer: PreTrainedTokenizerFast, seed: int) -> None:
-    """Random ids: exact whenever the full decode is clean; never a trailing U+FFFD from add()."""
-    rng = random.Random(seed)
-    ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
-    detok = IncrementalDetokenizer(tokenizer)
-    deltas, tail = stream(detok, ids, random_chunks(rng, len(ids)))
-    expected = tokenizer.decode(ids, skip_special_tokens=True)
-    if "\ufffd" not in expected:
-        assert "".join(deltas) + tail == expected
-    assert not any(delta.endswith("\ufffd") for delta in deltas)
-
-
-def test_byte_fallback_keeps_a_character_already_emitted(llama: PreTrainedTokenizerFast) -> None:
-    """ByteFallback decodes a run of byte tokens with any invalid byte as one U+FFFD per byte, so a
-    stray byte after a complete character changes the full decode of that character; the stream has
-    already sent it and keeps it."""
-    ids = llama.convert_tokens_to_ids(["<0xE4>", "<0xB8>", "<0xAD>", "<0x80>", "▁Hello"])
-    assert llama.decode(ids) == "\ufffd" * 4 + " Hello"
-    detok = IncrementalDetokenizer(llama)
-    deltas, tail = stream(detok, ids)
-    assert deltas == ["", "", "中", "", "\ufffd\ufffd\ufffd Hello"]
+def test_byte_fallback_keeps_a_character_already_emitted(use_stream: bool) -> None:
+    """A stray byte after a complete character changes the full decode of that character (ByteFallback
+    turns a run of byte tokens with an invalid byte into one U+FFFD per byte); the stream has already
+    sent it and keeps it (DecodeStream refuses to go on: the windowed decode takes over)."""
+    tok = TOKENIZERS["byte_fallback_bpe"]
+    ids = tok.convert_tokens_to_ids(["<0xE4>", "<0xB8>", "<0xAD>", "<0x80>", "▁Hello"])
+    assert tok.decode(ids) == FFFD * 4 + " Hello"
+    deltas, tail = stream(IncrementalDetokenizer(tok, use_decode_stream=use_stream), ids)
+    assert deltas == ["", "", "中", "", FFFD * 3 + " Hello"]
     assert tail == ""
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_random_ids_byte_level(seed: int, use_stream: bool) -> None:
+    """Byte-level BPE never rewrites text: any id sequence streams to exactly the full decode."""
+    tok = TOKENIZERS["byte_level_bpe"]
+    rng = random.Random(seed)
+    prompt = encoded(tok, "Once upon")
+    ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 60))]
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip, use_decode_stream=use_stream)
+        deltas, tail = stream(detok, ids, [rng.choice([1, 1, 2, 3]) for _ in ids])
+        assert "".join(deltas) + tail == expected_text(tok, prompt, ids, skip)
+        assert not any(delta.endswith(FFFD) for delta in deltas)
+
+
 class RecordingDecoder:
-    """Wraps a tokenizer and records the length of every id list it is asked to decode."""
+    """A tokenizer that is not a fast one (the windowed decode), recording each decode's length."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
         self.tokenizer = tokenizer
         self.lengths: list[int] = []
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+    def decode(self, token_ids: list[int], **options: bool) -> str:
         self.lengths.append(len(token_ids))
-        text: str = self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        text: str = self.tokenizer.decode(token_ids, skip_special_tokens=options["skip_special_tokens"])
         return text
 
 
 def test_decode_window_stays_small(tokenizer: PreTrainedTokenizerFast) -> None:
     text = " ".join(TEXTS) * 5
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    prompt = encoded(tokenizer, text)
+    ids = encoded(tokenizer, text)
     assert len(ids) > 300
     recorder = RecordingDecoder(tokenizer)
-    detok = IncrementalDetokenizer(recorder)
+    detok = IncrementalDetokenizer(recorder, prompt)
+    assert not detok.uses_decode_stream
     deltas, tail = stream(detok, ids)
-    assert "".join(deltas) + tail == text
-    assert max(recorder.lengths) <= 8
-    assert len(recorder.lengths) <= 2 * len(ids) + 1
+    assert "".join(deltas) + tail == expected_text(tokenizer, prompt, ids, skip=True)
+    assert max(recorder.lengths) <= 40
 
 
-def test_empty_add_and_empty_stream(byte_level: PreTrainedTokenizerFast) -> None:
-    detok = IncrementalDetokenizer(byte_level)
+def test_which_decoder_fits() -> None:
+    assert decode_stream_fits(TOKENIZERS["byte_level_bpe"])
+    assert not decode_stream_fits(RecordingDecoder(TOKENIZERS["byte_level_bpe"]))
+    cleaning = wordpiece()
+    cleaning.clean_up_tokenization_spaces = True
+    assert not decode_stream_fits(cleaning)
+    assert IncrementalDetokenizer(TOKENIZERS["metaspace_bpe"]).uses_decode_stream
+    assert not IncrementalDetokenizer(cleaning).uses_decode_stream
+    with pytest.raises(ValueError, match="DecodeStream"):
+        IncrementalDetokenizer(cleaning, use_decode_stream=True)
+
+
+def test_clean_up_tokenization_spaces_follows_decode() -> None:
+    """A tokenizer that cleans up its text decodes by windows of its own decode: the text follows it."""
+    cleaning = wordpiece()
+    cleaning.clean_up_tokenization_spaces = True
+    prompt = encoded(cleaning, "Hello world")
+    output = encoded(cleaning, "vu , déjà !")
+    detok = IncrementalDetokenizer(cleaning, prompt)
+    deltas, tail = stream(detok, output)
+    assert "".join(deltas) + tail == expected_text(cleaning, prompt, output, skip=True)
+
+
+def test_prompt_tail_is_short_and_clean() -> None:
+    tok = TOKENIZERS["byte_level_bpe"]
+    ids = encoded(tok, "The quick brown fox jumps over the lazy dog")
+
+    def decode(token_ids: list[int]) -> str:
+        return str(tok.decode(token_ids, skip_special_tokens=True))
+
+    assert prompt_tail(ids, decode) == ids[-4:]
+    assert prompt_tail(ids[:2], decode) == ids[:2]
+    assert prompt_tail([], decode) == []
+    eos = tok.eos_token_id
+    assert prompt_tail([*ids, eos, eos, eos, eos], decode) == [*ids[-1:], eos, eos, eos, eos]
+
+
+def test_empty_add_and_empty_stream(use_stream: bool) -> None:
+    detok = IncrementalDetokenizer(byte_level_bpe(), use_decode_stream=use_stream)
     assert detok.add([]) == ""
     assert detok.flush() == ""
     assert detok.text == ""
 
 
-def test_add_after_flush_is_an_error(byte_level: PreTrainedTokenizerFast) -> None:
-    detok = IncrementalDetokenizer(byte_level)
-    detok.add(byte_level.encode("hi", add_special_tokens=False))
+def test_add_after_flush_is_an_error(use_stream: bool) -> None:
+    tok = TOKENIZERS["byte_level_bpe"]
+    detok = IncrementalDetokenizer(tok, use_decode_stream=use_stream)
+    detok.add(encoded(tok, "hi"))
     assert detok.flush() == ""
     with pytest.raises(RuntimeError):
         detok.add([0])
     assert detok.flush() == ""
     assert detok.text == "hi"
-    assert detok.token_ids == byte_level.encode("hi", add_special_tokens=False)
+    assert detok.token_ids == encoded(tok, "hi")
+
+
+def test_builders_cover_the_hard_cases() -> None:
+    """The fixtures really split characters across tokens and drop a first token's leading space."""
+    for tok in (byte_level_bpe(), byte_fallback_bpe()):
+        ids = encoded(tok, "中文😀👍🏽")
+        assert any(tok.decode(ids[:k]).endswith(FFFD) for k in range(1, len(ids)))
+    tok = metaspace_bpe()
+    paris = encoded(tok, "Paris")
+    assert tok.decode(encoded(tok, "is") + paris) == "is Paris"
+    assert tok.decode(paris) == "Paris"

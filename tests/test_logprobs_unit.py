@@ -200,7 +200,7 @@ def test_gateway_relays_logprobs_with_their_tokens(reference_models: Any) -> Non
     stop = tokenizer.decode(ids[2:3]).strip()
     entries = [sampling_pb2.TokenLogprobs(token_id=t, logprob=-float(i)) for i, t in enumerate(ids)]
     sampling = sampling_to_proto(SamplingParams(logprobs=1, prompt_logprobs=2, stop=(stop,)))
-    run = _Progress("r", [1, 2, 3], sampling, TextStream(tokenizer, (stop,)))
+    run = _Progress("r", [1, 2, 3], sampling, TextStream(tokenizer, SamplingParams(stop=(stop,))))
     assert run.prefill_request().sampling.prompt_logprobs == 2
     first, reason = run.relay(ids[:1], None, entries[:1], entries[1:3])
     assert (

@@ -10,7 +10,9 @@ from tests.grpc_client import make_request, run
 MODEL = "tiny-llama"
 
 
-def test_streamed_text_equals_full_decode(stack_pool: StackPool, reference_models: Any) -> None:
+def test_streamed_text_equals_the_decode_past_the_prompt(
+    stack_pool: StackPool, reference_models: Any
+) -> None:
     stack = stack_pool.get(MODEL)
     _, tokenizer = reference_models(MODEL)
     for prompt in ("The capital of France is", "héllo wörld, 世界 🙂", "a"):
@@ -19,7 +21,9 @@ def test_streamed_text_equals_full_decode(stack_pool: StackPool, reference_model
         )
         assert result.chunks[0].num_prompt_tokens == len(tokenizer(prompt).input_ids)
         assert len(result.token_ids) == 40
-        assert result.text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        prompt_ids = tokenizer(prompt).input_ids
+        past_prompt = tokenizer.decode(prompt_ids + result.token_ids, skip_special_tokens=True)
+        assert result.text == past_prompt[len(tokenizer.decode(prompt_ids, skip_special_tokens=True)) :]
 
 
 def test_stop_string_mid_stream_truncates_and_stops(stack_pool: StackPool) -> None:

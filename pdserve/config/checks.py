@@ -82,6 +82,13 @@ def check_file(flag: str, path: str) -> None:
         raise ValueError(f"{flag} {path!r} is not a readable file")
 
 
+def check_chat_template(value: str) -> None:
+    """A chat template flag ('' = the model's): a readable file, or text holding one of ``{``, ``}``
+    or a newline (the template itself; the gateway compiles it at start-up)."""
+    if value and not os.path.isfile(value) and not any(c in value for c in "{}\n"):
+        raise ValueError(f"chat_template {value!r} looks like a file path, but it is not a readable file")
+
+
 def check_file_pair(flag: str, path: str, other_flag: str, other_path: str) -> None:
     """Two files that go together (a certificate and its key): both or neither, each existing."""
     if bool(path) != bool(other_path):

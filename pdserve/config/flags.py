@@ -4,7 +4,8 @@ Each leaf field ``name`` of a (possibly nested) config dataclass becomes the fla
 (underscores as dashes) and the environment variable ``PDSERVE_NAME``. The flag wins over the
 environment, which wins over the dataclass default. Tuples are comma-separated. A field marked
 ``env_only`` (a secret that must never appear on a command line) is read from its environment
-variable alone: it has no flag and ``to_args`` leaves it out.
+variable alone: it has no flag and ``to_args`` leaves it out. A field's ``aliases`` (metadata) are
+other flags of the same setting, such as vLLM's name for it (``--max-num-seqs``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Option:
     help: str
     secret: bool = False  # its value is never shown (``--help``)
     env_only: bool = False  # no flag: read from the environment only
+    aliases: tuple[str, ...] = ()  # other flags of the same setting
 
     @property
     def name(self) -> str:
@@ -71,6 +73,7 @@ def options(cls: type, defaults: Any = None, prefix: tuple[str, ...] = ()) -> It
                 help_text,
                 bool(f.metadata.get("secret")),
                 bool(f.metadata.get("env_only")),
+                tuple(f.metadata.get("aliases", ())),
             )
 
 
@@ -118,6 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, env: Mapping[str, 
         # A bare boolean flag means true; `--flag false` also works.
         parser.add_argument(
             option.flag,
+            *option.aliases,
             dest=option.name,
             type=functools.partial(_parse_flag, option),
             default=default,

@@ -13,6 +13,7 @@ from pdserve.config.checks import (
     check_address,
     check_at_least,
     check_backend_address,
+    check_chat_template,
     check_choice,
     check_device,
     check_non_negative,
@@ -28,6 +29,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 BACKENDS = ("auto", "gloo", "nccl", "shm", "cuda-ipc")
 GPU_BACKENDS = ("nccl", "cuda-ipc")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's names
 EP_DISPATCHES = ("auto", "deepep-normal", "all-to-all")
 
 
@@ -38,7 +40,11 @@ class EngineConfig:
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "model directory or preset name"})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda:0"})
     dtype: str = field(
-        default="auto", metadata={"help": "weights dtype; auto: float32 on CPU, the model's on CUDA"}
+        default="auto",
+        metadata={
+            "help": "weights dtype: auto (float32 on CPU, the model's on CUDA), float32, bfloat16 or "
+            "float16 (vLLM's float and half name float32 and float16)"
+        },
     )
     threads: int = field(default=1, metadata={"help": "intra-op torch threads on CPU"})
     max_model_len: int = field(default=0, metadata={"help": "context limit; 0 takes the model's"})
@@ -87,6 +93,7 @@ class EngineConfig:
         if not self.model:
             raise ValueError("model must not be empty")
         check_device("device", self.device)
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         check_choice("dtype", self.dtype, DTYPES)
         check_at_least("threads", self.threads, 1)
         check_at_least("max_model_len", self.max_model_len, 0)
@@ -227,7 +234,9 @@ class PrefillSettings:
         metadata={"help": "unused: KV pairs meet over the prefill's gRPC port (no rendezvous store)"},
     )
     lease_s: float = field(default=30.0, metadata={"help": "seconds a parked KV waits to be pulled"})
-    max_batch_tokens: int = field(default=0, metadata={"help": MAX_BATCH_TOKENS_HELP})
+    max_batch_tokens: int = field(
+        default=0, metadata={"help": MAX_BATCH_TOKENS_HELP, "aliases": ("--max-num-batched-tokens",)}
+    )
     kv_shm_bytes: int = field(
         default=0,
         metadata={
@@ -262,9 +271,13 @@ class PrefillSettings:
 class DecodeSettings:
     """The decode's own settings (a decode service, and the decode side of a colocated one)."""
 
-    max_running: int = field(default=64, metadata={"help": "most requests decoding at once"})
+    max_running: int = field(
+        default=64, metadata={"help": "most requests decoding at once", "aliases": ("--max-num-seqs",)}
+    )
     max_kv_tokens: int = field(default=65536, metadata={"help": "KV pool size of the decode, in tokens"})
-    kv_block_size: int = field(default=16, metadata={"help": "tokens per KV pool block"})
+    kv_block_size: int = field(
+        default=16, metadata={"help": "tokens per KV pool block", "aliases": ("--block-size",)}
+    )
     max_decode_waiting: int = field(
         default=256,
         metadata={
@@ -412,6 +425,13 @@ class GatewayConfig:
             "'vllm' none (pdserve's own defaults), or a directory holding a generation_config.json"
         },
     )
+    chat_template: str = field(
+        default="",
+        metadata={
+            "help": "chat template in place of the model's: a file, or the Jinja template itself "
+            "(as vLLM's --chat-template)"
+        },
+    )
     limits: RequestLimits = field(default_factory=RequestLimits)
     public: PublicSecurity = field(default_factory=PublicSecurity)
     internal: InternalSecurity = field(default_factory=InternalSecurity)
@@ -430,6 +450,7 @@ class GatewayConfig:
         check_at_least("max_model_len", self.max_model_len, 0)
         check_positive("resolve_interval_s", self.resolve_interval_s)
         check_port("http_port", self.http_port, off=-1)
+        check_chat_template(self.chat_template)
 
     @property
     def model_id(self) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 from pdserve.config import BACKENDS, DEFAULT_MODEL, HTTP_PORT, InternalSecurity, PublicSecurity
 from pdserve.config.checks import (
     check_at_least,
+    check_chat_template,
     check_choice,
     check_device,
     check_file,
@@ -25,6 +26,7 @@ from pdserve.config.checks import (
     check_port,
     check_positive,
 )
+from pdserve.config.services import DTYPE_ALIASES, DTYPES
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -101,6 +103,38 @@ class UpConfig:
         default="auto",
         metadata={"help": "how KV moves: auto, shm, cuda-ipc, nccl or gloo (see pdserve prefill)"},
     )
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "weights dtype of the replicas: auto, float32 (float), bfloat16 or float16 (half)"},
+    )
+    max_batch_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "token budget of one prefill forward (0: the prefill's default, by device)",
+            "aliases": ("--max-num-batched-tokens",),
+        },
+    )
+    max_running: int = field(
+        default=0,
+        metadata={
+            "help": "most requests each decode runs at once (0: the decode's default)",
+            "aliases": ("--max-num-seqs",),
+        },
+    )
+    kv_block_size: int = field(
+        default=0,
+        metadata={
+            "help": "tokens per decode KV block (0: the decode's default)",
+            "aliases": ("--block-size",),
+        },
+    )
+    served_model_name: str = field(
+        default="", metadata={"help": "model id of the HTTP API (default: the --model value)"}
+    )
+    chat_template: str = field(
+        default="",
+        metadata={"help": "chat template in place of the model's: a file, or the Jinja template itself"},
+    )
     demo: bool = field(default=False, metadata={"help": "once up, stream one demo request to stderr"})
     demo_prompt: str = field(
         default="What is the capital of France?", metadata={"help": "user message of the demo request"}
@@ -125,6 +159,11 @@ class UpConfig:
         check_port("port", self.port)
         check_port("http_port", self.http_port, off=-1)
         check_device("device", self.device)
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        check_choice("dtype", self.dtype, DTYPES)
+        for name in ("max_batch_tokens", "max_running", "kv_block_size"):
+            check_at_least(name, getattr(self, name), 0)
+        check_chat_template(self.chat_template)
         check_choice("kv_backend", self.kv_backend, BACKENDS)
         if (self.prefill_devices or self.decode_devices) and self.device == "cpu":
             raise ValueError("prefill_devices and decode_devices name GPUs: set device to cuda")
@@ -199,6 +238,7 @@ def service_command(config: UpConfig, spec: LaunchSpec) -> list[str]:
     if spec.role == GATEWAY:
         command += ["--prefill", ",".join(spec.prefill), "--decode", ",".join(spec.decode)]
         command += ["--http-port", str(spec.http_port)]
+        command += _set_only(served_model_name=config.served_model_name, chat_template=config.chat_template)
     else:
         devices = spec.devices or (config.device,)
         command += ["--device", devices[0], "--threads", str(config.threads)]
@@ -208,13 +248,27 @@ def service_command(config: UpConfig, spec: LaunchSpec) -> list[str]:
         command += ["--kv-backend", config.kv_backend]
         if config.compile:
             command += ["--compile", "true"]
+        command += _set_only(dtype="" if config.dtype == "auto" else config.dtype)
     if spec.role in (PREFILL, COLOCATED):
         command += ["--kv-port", str(spec.kv_port)]
+        command += _set_only(max_batch_tokens=config.max_batch_tokens)
+    if spec.role in (DECODE, COLOCATED):
+        command += _set_only(max_running=config.max_running, kv_block_size=config.kv_block_size)
     if spec.role == COLOCATED:
         command += ["--prefill-metrics-port", str(spec.prefill_metrics_port)]
     if config.cache_dir:
         command += ["--cache-dir", config.cache_dir]
     return command
+
+
+def _set_only(**settings: str | int) -> list[str]:
+    """The flags of the settings given a value ('' and 0 leave the child's own default)."""
+    return [
+        arg
+        for name, value in settings.items()
+        if value
+        for arg in (f"--{name.replace('_', '-')}", str(value))
+    ]
 
 
 def parse_ready_line(line: str) -> dict[str, Any] | None:

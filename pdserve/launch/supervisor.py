@@ -357,7 +357,12 @@ class Supervisor:
             f"  {pdserve_executable()} generate --address {address}{tls_flag} "
             '"The capital of France is"\n'
             + (
-                curl_example(str(http), self.config.model, bool(self.config.public.api_key), trusted)
+                curl_example(
+                    str(http),
+                    self.config.served_model_name or self.config.model,
+                    bool(self.config.public.api_key),
+                    trusted,
+                )
                 if http
                 else ""
             )

@@ -46,6 +46,14 @@ def sampling_from_proto(
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         allowed_token_ids=tuple(msg.allowed_token_ids),
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        skip_special_tokens=(
+            msg.skip_special_tokens if msg.HasField("skip_special_tokens") else _DEFAULTS.skip_special_tokens
+        ),
+        spaces_between_special_tokens=(
+            msg.spaces_between_special_tokens
+            if msg.HasField("spaces_between_special_tokens")
+            else _DEFAULTS.spaces_between_special_tokens
+        ),
     )
 
 
@@ -58,6 +66,8 @@ def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
         logit_bias=dict(params.logit_bias),
         allowed_token_ids=list(params.allowed_token_ids),
         include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens,
     )
     if params.seed is not None:
         msg.seed = params.seed
