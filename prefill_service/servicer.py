@@ -264,12 +264,17 @@ class PrefillServicer(KvHandoffServicer):
         self._metrics.forward_seconds.observe(result.forward_seconds)
         self._metrics.queue_seconds.observe(result.queue_seconds)
         self._metrics.batch_size.observe(result.batch_size)
+        if self._engine.prefix_cache is not None:
+            self._metrics.prefix_cache_queries.inc(len(request.prompt_token_ids))
+            self._metrics.prefix_cache_hits.inc(result.cached_tokens)
+            self._metrics.cached_tokens.observe(result.cached_tokens)
         if result.finish_reason is not None or result.kv is None:
             self._metrics.finished_at_first_token.labels(result.finish_reason or "").inc()
             return prefill_pb2.PrefillResponse(
                 first_token_id=result.first_token_id,
                 finish_reason=result.finish_reason or "",
                 queue_seconds=result.queue_seconds,
+                cached_tokens=result.cached_tokens,
             )
         entry = self._registry.park(result.kv, result.num_tokens)
         self._metrics.kv_parks.inc()
@@ -278,4 +283,5 @@ class PrefillServicer(KvHandoffServicer):
             first_token_id=result.first_token_id,
             kv_handle=self._issuer.issue(entry),
             queue_seconds=result.queue_seconds,
+            cached_tokens=result.cached_tokens,
         )

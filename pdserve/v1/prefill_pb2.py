@@ -26,7 +26,7 @@ from pdserve.v1 import kv_pb2 as pdserve_dot_v1_dot_kv__pb2
 from pdserve.v1 import sampling_pb2 as pdserve_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x13pdserve/v1/kv.proto\x1a\x19pdserve/v1/sampling.proto\"\x83\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rnum_generated\x18\x04 \x01(\r\"\x80\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\tkv_handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\"\x7f\n\rPullKvRequest\x12\x11\n\thandle_id\x18\x01 \x01(\x0c\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x17\n\x0fpair_generation\x18\x03 \x01(\x04\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x13\n\x0bpair_secret\x18\x05 \x01(\x0c\"#\n\x0ePullKvResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\"\x84\x01\n\x11PullKvManyRequest\x12\x12\n\nhandle_ids\x18\x01 \x03(\x0c\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x17\n\x0fpair_generation\x18\x03 \x01(\x04\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x13\n\x0bpair_secret\x18\x05 \x01(\x0c\"I\n\x12PullKvManyResponse\x12\x11\n\tnum_bytes\x18\x01 \x03(\x04\x12 \n\x04lent\x18\x02 \x03(\x0b\x32\x12.pdserve.v1.LentKv\"V\n\x10ReleaseKvRequest\x12\x11\n\thandle_id\x18\x01 \x01(\x0c\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x13\n\x0bpair_secret\x18\x03 \x01(\x0c\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xba\x01\n\x10PairStoreRequest\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x01 \x01(\t\x12\x13\n\x0bpair_secret\x18\x02 \x01(\x0c\x12\x17\n\x0fpair_generation\x18\x03 \x01(\x04\x12\n\n\x02op\x18\x04 \x01(\t\x12\x0c\n\x04keys\x18\x05 \x03(\t\x12\r\n\x05value\x18\x06 \x01(\x0c\x12\x10\n\x08\x65xpected\x18\x07 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x08 \x01(\x03\x12\x11\n\ttimeout_s\x18\t \x01(\x01\"A\n\x11PairStoreResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\x12\x0e\n\x06number\x18\x02 \x01(\x03\x12\r\n\x05ready\x18\x03 \x01(\x08\x32\xef\x02\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12K\n\nPullKvMany\x12\x1d.pdserve.v1.PullKvManyRequest\x1a\x1e.pdserve.v1.PullKvManyResponse\x12?\n\x06PullKv\x12\x19.pdserve.v1.PullKvRequest\x1a\x1a.pdserve.v1.PullKvResponse\x12H\n\tReleaseKv\x12\x1c.pdserve.v1.ReleaseKvRequest\x1a\x1d.pdserve.v1.ReleaseKvResponse\x12H\n\tPairStore\x12\x1c.pdserve.v1.PairStoreRequest\x1a\x1d.pdserve.v1.PairStoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x13pdserve/v1/kv.proto\x1a\x19pdserve/v1/sampling.proto\"\x83\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rnum_generated\x18\x04 \x01(\r\"\x97\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\tkv_handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x15\n\rcached_tokens\x18P \x01(\r\"\x7f\n\rPullKvRequest\x12\x11\n\thandle_id\x18\x01 \x01(\x0c\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x17\n\x0fpair_generation\x18\x03 \x01(\x04\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x13\n\x0bpair_secret\x18\x05 \x01(\x0c\"#\n\x0ePullKvResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\"\x84\x01\n\x11PullKvManyRequest\x12\x12\n\nhandle_ids\x18\x01 \x03(\x0c\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x17\n\x0fpair_generation\x18\x03 \x01(\x04\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x13\n\x0bpair_secret\x18\x05 \x01(\x0c\"I\n\x12PullKvManyResponse\x12\x11\n\tnum_bytes\x18\x01 \x03(\x04\x12 \n\x04lent\x18\x02 \x03(\x0b\x32\x12.pdserve.v1.LentKv\"V\n\x10ReleaseKvRequest\x12\x11\n\thandle_id\x18\x01 \x01(\x0c\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x13\n\x0bpair_secret\x18\x03 \x01(\x0c\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xba\x01\n\x10PairStoreRequest\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x01 \x01(\t\x12\x13\n\x0bpair_secret\x18\x02 \x01(\x0c\x12\x17\n\x0fpair_generation\x18\x03 \x01(\x04\x12\n\n\x02op\x18\x04 \x01(\t\x12\x0c\n\x04keys\x18\x05 \x03(\t\x12\r\n\x05value\x18\x06 \x01(\x0c\x12\x10\n\x08\x65xpected\x18\x07 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x08 \x01(\x03\x12\x11\n\ttimeout_s\x18\t \x01(\x01\"A\n\x11PairStoreResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\x12\x0e\n\x06number\x18\x02 \x01(\x03\x12\r\n\x05ready\x18\x03 \x01(\x08\x32\xef\x02\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12K\n\nPullKvMany\x12\x1d.pdserve.v1.PullKvManyRequest\x1a\x1e.pdserve.v1.PullKvManyResponse\x12?\n\x06PullKv\x12\x19.pdserve.v1.PullKvRequest\x1a\x1a.pdserve.v1.PullKvResponse\x12H\n\tReleaseKv\x12\x1c.pdserve.v1.ReleaseKvRequest\x1a\x1d.pdserve.v1.ReleaseKvResponse\x12H\n\tPairStore\x12\x1c.pdserve.v1.PairStoreRequest\x1a\x1d.pdserve.v1.PairStoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,23 +36,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=89
   _globals['_PREFILLREQUEST']._serialized_end=220
   _globals['_PREFILLRESPONSE']._serialized_start=223
-  _globals['_PREFILLRESPONSE']._serialized_end=351
-  _globals['_PULLKVREQUEST']._serialized_start=353
-  _globals['_PULLKVREQUEST']._serialized_end=480
-  _globals['_PULLKVRESPONSE']._serialized_start=482
-  _globals['_PULLKVRESPONSE']._serialized_end=517
-  _globals['_PULLKVMANYREQUEST']._serialized_start=520
-  _globals['_PULLKVMANYREQUEST']._serialized_end=652
-  _globals['_PULLKVMANYRESPONSE']._serialized_start=654
-  _globals['_PULLKVMANYRESPONSE']._serialized_end=727
-  _globals['_RELEASEKVREQUEST']._serialized_start=729
-  _globals['_RELEASEKVREQUEST']._serialized_end=815
-  _globals['_RELEASEKVRESPONSE']._serialized_start=817
-  _globals['_RELEASEKVRESPONSE']._serialized_end=854
-  _globals['_PAIRSTOREREQUEST']._serialized_start=857
-  _globals['_PAIRSTOREREQUEST']._serialized_end=1043
-  _globals['_PAIRSTORERESPONSE']._serialized_start=1045
-  _globals['_PAIRSTORERESPONSE']._serialized_end=1110
-  _globals['_PREFILL']._serialized_start=1113
-  _globals['_PREFILL']._serialized_end=1480
+  _globals['_PREFILLRESPONSE']._serialized_end=374
+  _globals['_PULLKVREQUEST']._serialized_start=376
+  _globals['_PULLKVREQUEST']._serialized_end=503
+  _globals['_PULLKVRESPONSE']._serialized_start=505
+  _globals['_PULLKVRESPONSE']._serialized_end=540
+  _globals['_PULLKVMANYREQUEST']._serialized_start=543
+  _globals['_PULLKVMANYREQUEST']._serialized_end=675
+  _globals['_PULLKVMANYRESPONSE']._serialized_start=677
+  _globals['_PULLKVMANYRESPONSE']._serialized_end=750
+  _globals['_RELEASEKVREQUEST']._serialized_start=752
+  _globals['_RELEASEKVREQUEST']._serialized_end=838
+  _globals['_RELEASEKVRESPONSE']._serialized_start=840
+  _globals['_RELEASEKVRESPONSE']._serialized_end=877
+  _globals['_PAIRSTOREREQUEST']._serialized_start=880
+  _globals['_PAIRSTOREREQUEST']._serialized_end=1066
+  _globals['_PAIRSTORERESPONSE']._serialized_start=1068
+  _globals['_PAIRSTORERESPONSE']._serialized_end=1133
+  _globals['_PREFILL']._serialized_start=1136
+  _globals['_PREFILL']._serialized_end=1503
 # @@protoc_insertion_point(module_scope)

@@ -21,16 +21,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "finish_reason", "kv_handle", "queue_seconds")
+    __slots__ = ("first_token_id", "finish_reason", "kv_handle", "queue_seconds", "cached_tokens")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     finish_reason: str
     kv_handle: _kv_pb2.KvHandle
     queue_seconds: float
-    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., kv_handle: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., kv_handle: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PullKvRequest(_message.Message):
     __slots__ = ("handle_id", "decode_instance_id", "pair_generation", "transport", "pair_secret")
