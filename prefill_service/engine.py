@@ -46,7 +46,7 @@ import torch
 
 from pdserve.core.finish import first_token_reason
 from pdserve.core.sampling import SamplingParams, sample
-from pdserve.kv.layout import pack_into
+from pdserve.kv.layout import pack_into, unpack
 from pdserve.kv.transports import GLOO, Place
 from pdserve.model.engine_model import EngineModel
 from pdserve.model.warm_up import WarmUp
@@ -270,12 +270,15 @@ class PrefillEngine:
         out = run_forward(m, pasts, chunks)
         finished: dict[PromptJob, PrefillResult] = {}
         for row, (job, chunk) in enumerate(zip(jobs, chunks, strict=True)):
+            new_blocks = job.ran(len(chunk), self._prefix)
             kv = out.row_kv(row)
-            job.ran(len(chunk), kv, self._prefix)
             if job.remaining:
                 job.kv = kv
             else:
-                finished[job] = self._first_token(job, out, row, kv, len(jobs))
+                finished[job] = result = self._first_token(job, out, row, kv, len(jobs))
+                if result.kv is not None:  # the same KV, contiguous: the cheaper copy
+                    kv = unpack(result.kv.tensor, m.kv_layout, result.num_tokens)
+            self._offer_blocks(new_blocks, kv)
         if m.device.type == "cuda":
             torch.cuda.synchronize(m.device)
         elapsed = time.perf_counter() - start
@@ -285,6 +288,15 @@ class PrefillEngine:
             job: dataclasses.replace(result, forward_seconds=job.forward_seconds)
             for job, result in finished.items()
         }
+
+    def _offer_blocks(self, blocks: list[tuple[bytes, int]], kv: LayerKv) -> None:
+        """Offers the prefix cache a prompt's new full blocks (hash, index; consecutive) from its
+        KV ``kv``."""
+        if self._prefix is None or not blocks:
+            return
+        size = self._prefix.block_size
+        start, end = blocks[0][1] * size, (blocks[-1][1] + 1) * size
+        self._prefix.insert([h for h, _ in blocks], [(k[:, start:end], v[:, start:end]) for k, v in kv])
 
     def _first_token(
         self, job: PromptJob, out: ForwardOutput, row: int, kv: LayerKv, batch_size: int

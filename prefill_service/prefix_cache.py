@@ -7,8 +7,9 @@ full blocks are cached; a prompt's last token is never taken from the cache (its
 the logits of the first token), so at most ``(len(prompt) - 1) // block_size`` blocks of a prompt
 are found.
 
-Each block holds, per layer, its keys and values ``[heads, block_size, width]`` on the model's
-device. ``lookup`` takes a reference on the blocks it finds (``release`` gives it back); a block
+Each block's keys and values lie in one slot of per-layer pools ``[heads, blocks * block_size,
+width]`` allocated once on the model's device: a prompt's blocks, in consecutive slots as a rule,
+are copied in as one slice and out with one index per layer and tensor. ``lookup`` takes a reference on the blocks it finds (``release`` gives it back); a block
 nobody references waits in LRU order (a prompt's later blocks before its earlier ones) and is
 evicted when ``insert`` needs room. The cache never holds more than ``capacity_tokens`` tokens:
 when every block is referenced, a new block is simply not cached.
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+
+from pdserve.kv.layout import KvLayout
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ def reuse_problem(model: object) -> str | None:
 @dataclass(eq=False)
 class Block:
     block_hash: bytes
-    kv: LayerKv
+    slot: int  # where its KV lies in the cache's pools
     refs: int = 0
 
 
@@ -92,31 +95,36 @@ class PrefixMatch:
     def num_tokens(self) -> int:
         return len(self.blocks) * self.block_size
 
-    def kv(self) -> LayerKv:
-        """Per layer, the keys and values of the matched tokens (new tensors)."""
-        layers = zip(*(block.kv for block in self.blocks), strict=True)
-        return [
-            (torch.cat([k for k, _ in layer], dim=1), torch.cat([v for _, v in layer], dim=1))
-            for layer in layers
-        ]
-
 
 class PrefixCache:
     def __init__(
         self,
         block_size: int,
         capacity_tokens: int,
+        layout: KvLayout,
+        device: torch.device,
         on_evict: Callable[[int], None] | None = None,
     ) -> None:
-        """``on_evict``: told the number of tokens of each eviction."""
+        """Holds at most ``capacity_tokens`` (rounded down to whole blocks) of KV of ``layout`` on
+        ``device``, in pools allocated once. ``on_evict``: told the number of tokens of each eviction."""
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
         if capacity_tokens < 0:
             raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
         self.block_size = block_size
         self.capacity_blocks = capacity_tokens // block_size
+        n = self.capacity_blocks
+        self._pools = [
+            (
+                torch.empty((kh, n * block_size, kw), dtype=layout.dtype, device=device),
+                torch.empty((vh, n * block_size, vw), dtype=layout.dtype, device=device),
+            )
+            for (kh, kw), (vh, vw) in zip(layout.keys, layout.values, strict=True)
+        ]
+        self._device = device
         self._blocks: dict[bytes, Block] = {}
         self._free: OrderedDict[bytes, Block] = OrderedDict()  # unreferenced, least recently used first
+        self._unused_slots = list(range(n - 1, -1, -1))
         self._on_evict = on_evict
 
     @property
@@ -150,6 +158,17 @@ class PrefixCache:
             match.blocks.append(block)
         return match
 
+    def kv(self, match: PrefixMatch) -> LayerKv:
+        """Per layer, the keys and values of a match's tokens ``[heads, tokens, width]`` (new
+        tensors)."""
+        size = self.block_size
+        tokens = torch.tensor(
+            [block.slot * size + t for block in match.blocks for t in range(size)], device=self._device
+        )
+        return [
+            (keys.index_select(1, tokens), values.index_select(1, tokens)) for keys, values in self._pools
+        ]
+
     def release(self, match: PrefixMatch) -> None:
         """Gives back ``lookup``'s references (once); blocks nobody references become evictable, a
         prompt's last blocks first."""
@@ -162,37 +181,53 @@ class PrefixCache:
     def contains(self, block_hash: bytes) -> bool:
         return block_hash in self._blocks
 
-    def insert(self, blocks: Sequence[tuple[bytes, LayerKv]]) -> int:
-        """Caches a copy of each block's KV (``[heads, block_size, width]`` per layer) under its
-        hash, a prompt's blocks in order, evicting the least recently used unreferenced blocks when
-        full. Returns how many were cached (one already there, or with no room left because every
-        block is referenced, is not)."""
+    def insert(self, hashes: Sequence[bytes], kv: LayerKv) -> int:
+        """Caches a copy of consecutive blocks of a prompt: ``kv`` holds their tokens (per layer
+        ``[heads, len(hashes) * block_size, width]``), ``hashes`` their hashes. Evicts the least
+        recently used unreferenced blocks when full. Returns how many were cached (one already
+        there, or with no room left because every block is referenced, is not)."""
         added: list[Block] = []
-        for block_hash, kv in blocks:
-            if block_hash in self._blocks or not self._make_room():
+        runs: list[tuple[int, int, int]] = []  # (first block of kv, first slot, blocks): consecutive slots
+        for i, block_hash in enumerate(hashes):
+            if block_hash in self._blocks:
                 continue
-            block = Block(block_hash, [(k.clone(), v.clone()) for k, v in kv])
+            slot = self._free_slot()
+            if slot is None:
+                break
+            block = Block(block_hash, slot)
             self._blocks[block_hash] = block
             added.append(block)
+            if runs and runs[-1][0] + runs[-1][2] == i and runs[-1][1] + runs[-1][2] == slot:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((i, slot, 1))
+        size = self.block_size
+        for (keys, values), (k, v) in zip(self._pools, kv, strict=True):
+            for first, slot, count in runs:
+                keys[:, slot * size : (slot + count) * size].copy_(
+                    k[:, first * size : (first + count) * size]
+                )
+                values[:, slot * size : (slot + count) * size].copy_(
+                    v[:, first * size : (first + count) * size]
+                )
         for block in reversed(added):  # the prompt's later blocks are evicted first
             self._free[block.block_hash] = block
         return len(added)
 
-    def _make_room(self) -> bool:
-        if self.capacity_blocks == 0:
-            return False
-        if len(self._blocks) < self.capacity_blocks:
-            return True
+    def _free_slot(self) -> int | None:
+        if self._unused_slots:
+            return self._unused_slots.pop()
         if not self._free:
-            return False
-        evicted, _ = self._free.popitem(last=False)
-        del self._blocks[evicted]
+            return None
+        evicted_hash, evicted = self._free.popitem(last=False)
+        del self._blocks[evicted_hash]
         if self._on_evict is not None:
             self._on_evict(self.block_size)
-        return True
+        return evicted.slot
 
     def clear(self) -> None:
         """Drops every unreferenced block."""
-        for block_hash in self._free:
+        for block_hash, block in self._free.items():
             del self._blocks[block_hash]
+            self._unused_slots.append(block.slot)
         self._free.clear()

@@ -3,8 +3,8 @@
 A job begins when the engine first schedules it: it takes the longest cached prefix of its prompt
 (``PrefixCache.lookup``; the blocks stay referenced until its first forward has used them) and starts
 with that KV. Each forward then runs its next chunk over the KV it has, until the whole prompt has
-run; the logits of that last forward give its first token. After every forward the job's full
-blocks not yet cached are offered to the cache.
+run; the logits of that last forward give its first token. After every forward the engine offers
+the cache the job's full blocks it does not know yet.
 """
 
 from __future__ import annotations
@@ -47,35 +47,23 @@ class PromptJob:
         self.num_blocks_cached = len(self.match.blocks)
         if self.match.blocks:
             self.cached_tokens = self.done = self.match.num_tokens
-            self.kv = self.match.kv()
+            self.kv = cache.kv(self.match)
 
     def next_chunk(self, num_tokens: int) -> Sequence[int]:
         return self.token_ids[self.done : self.done + num_tokens]
 
-    def ran(self, num_tokens: int, kv: LayerKv, cache: PrefixCache | None) -> None:
-        """After a forward ran ``num_tokens`` more of the prompt; ``kv``: all the job's KV now.
-        Releases the cached blocks and caches the full blocks now complete."""
+    def ran(self, num_tokens: int, cache: PrefixCache | None) -> list[tuple[bytes, int]]:
+        """After a forward ran ``num_tokens`` more of the prompt: releases the cached blocks it
+        used, and returns the full blocks now complete that the cache does not know yet (hash,
+        index in the prompt), for the engine to offer it."""
         self.done += num_tokens
         if cache is None:
-            return
+            return []
         self.release(cache)
         full = min(self.done // cache.block_size, len(self.hashes))
-        if full > self.num_blocks_cached:
-            layers = kv
-            size = cache.block_size
-            cache.insert(
-                [
-                    (
-                        self.hashes[b],
-                        [
-                            (k[:, b * size : (b + 1) * size], v[:, b * size : (b + 1) * size])
-                            for k, v in layers
-                        ],
-                    )
-                    for b in range(self.num_blocks_cached, full)
-                ]
-            )
-            self.num_blocks_cached = full
+        new = [(self.hashes[b], b) for b in range(self.num_blocks_cached, full)]
+        self.num_blocks_cached = max(full, self.num_blocks_cached)
+        return new
 
     def release(self, cache: PrefixCache | None) -> None:
         """Gives the cached blocks back (idempotent)."""

@@ -109,7 +109,13 @@ def build_prefix_cache(
     capacity = config.prefix_cache_tokens
     if capacity < 0:
         capacity = default_capacity_tokens(engine_model.kv_layout.bytes_per_token(), engine_model.device)
-    cache = PrefixCache(config.prefix_block_size, capacity, metrics.prefix_cache_evicted_tokens.inc)
+    cache = PrefixCache(
+        config.prefix_block_size,
+        capacity,
+        engine_model.kv_layout,
+        engine_model.device,
+        metrics.prefix_cache_evicted_tokens.inc,
+    )
     metrics.track_prefix_cache(cache)
     logger.info(
         "prefix cache: %d tokens in blocks of %d (%d bytes per token)",

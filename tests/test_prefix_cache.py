@@ -3,23 +3,38 @@ chunk schedule of a prefill step."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.kv.layout import KvLayout
 from prefill_service.chunk_schedule import Chunk, Group, schedule
 from prefill_service.prefix_cache import LayerKv, PrefixCache, block_hashes
 
+# One layer: keys of 2 heads x 3, values of 2 heads x 5 (as MLA, keys and values differ).
+LAYOUT = KvLayout(keys=((2, 3),), values=((2, 5),), dtype=torch.float32)
 
-def block_kv(value: float, block_size: int = 4) -> LayerKv:
-    """One layer's keys and values of one block (2 heads, width 3), filled with ``value``."""
-    return [(torch.full((2, block_size, 3), value), torch.full((2, block_size, 3), -value))]
+
+def new_cache(block_size: int, capacity: int, **kwargs: Any) -> PrefixCache:
+    return PrefixCache(block_size, capacity, LAYOUT, torch.device("cpu"), **kwargs)
+
+
+def blocks_kv(num_blocks: int, block_size: int = 4) -> LayerKv:
+    """KV of ``num_blocks`` blocks; every token of block i holds i in its keys, -i in its values."""
+    values = torch.arange(num_blocks, dtype=torch.float32).repeat_interleave(block_size)
+    return [(values[None, :, None].expand(2, -1, 3), -values[None, :, None].expand(2, -1, 5))]
+
+
+def insert(cache: PrefixCache, hashes: list[bytes], kv: LayerKv) -> int:
+    return cache.insert(hashes, kv)
 
 
 def fill(cache: PrefixCache, prompt: list[int]) -> list[bytes]:
     hashes = cache.hashes(prompt)
-    cache.insert([(h, block_kv(float(i))) for i, h in enumerate(hashes)])
+    insert(cache, hashes, blocks_kv(len(hashes), cache.block_size))
     return hashes
 
 
@@ -34,7 +49,7 @@ def test_hashes_are_chained_over_full_blocks() -> None:
 
 
 def test_lookup_takes_the_longest_cached_start_but_never_the_last_token() -> None:
-    cache = PrefixCache(4, 64)
+    cache = new_cache(4, 64)
     prompt = list(range(100, 112))
     fill(cache, prompt)
     assert cache.num_tokens == 12
@@ -44,24 +59,35 @@ def test_lookup_takes_the_longest_cached_start_but_never_the_last_token() -> Non
     mid_block = [*prompt[:6], 1, 2, 3]
     match = cache.lookup(cache.hashes(mid_block), len(mid_block))
     assert match.num_tokens == 4
-    keys, values = match.kv()[0]
-    assert keys.shape == (2, 4, 3) and float(keys[0, 0, 0]) == 0.0 and float(values[0, 0, 0]) == -0.0
+    keys, values = cache.kv(match)[0]
+    assert keys.shape == (2, 4, 3) and values.shape == (2, 4, 5) and not keys.any() and not values.any()
     other = [1, *prompt[1:]]
     assert cache.lookup(cache.hashes(other), len(other)).num_tokens == 0
 
 
 def test_kv_of_a_match_is_its_blocks_in_order() -> None:
-    cache = PrefixCache(4, 64)
+    cache = new_cache(4, 64)
     prompt = list(range(13))
     fill(cache, prompt)
-    keys, _ = cache.lookup(cache.hashes(prompt), len(prompt)).kv()[0]
-    assert keys.shape == (2, 12, 3)
-    assert keys[0, :, 0].tolist() == [0.0] * 4 + [1.0] * 4 + [2.0] * 4
+    keys, values = cache.kv(cache.lookup(cache.hashes(prompt), len(prompt)))[0]
+    assert keys.shape == (2, 12, 3) and values.shape == (2, 12, 5)
+    assert keys[1, :, 2].tolist() == [0.0] * 4 + [1.0] * 4 + [2.0] * 4
+    assert values[0, :, 4].tolist() == [-0.0] * 4 + [-1.0] * 4 + [-2.0] * 4
+
+
+def test_an_evicted_slot_holds_the_new_block() -> None:
+    cache = new_cache(4, 4)  # one block
+    a, b = list(range(5)), list(range(10, 15))
+    fill(cache, a)
+    insert(cache, cache.hashes(b), [(k + 7, v - 7) for k, v in blocks_kv(1)])
+    keys, values = cache.kv(cache.lookup(cache.hashes(b), len(b)))[0]
+    assert keys.eq(7).all() and values.eq(-7).all()
+    assert cache.lookup(cache.hashes(a), len(a)).num_tokens == 0
 
 
 def test_referenced_blocks_are_never_evicted_and_the_bound_holds() -> None:
     evicted: list[int] = []
-    cache = PrefixCache(4, 8, on_evict=evicted.append)  # two blocks
+    cache = new_cache(4, 8, on_evict=evicted.append)  # two blocks
     a = list(range(9))
     fill(cache, a)
     held = cache.lookup(cache.hashes(a), len(a))
@@ -79,7 +105,7 @@ def test_referenced_blocks_are_never_evicted_and_the_bound_holds() -> None:
 
 
 def test_eviction_is_least_recently_used_and_a_prompts_last_blocks_first() -> None:
-    cache = PrefixCache(4, 16)  # four blocks
+    cache = new_cache(4, 16)  # four blocks
     a, b = list(range(9)), list(range(40, 49))
     fill(cache, a)
     fill(cache, b)
@@ -90,9 +116,23 @@ def test_eviction_is_least_recently_used_and_a_prompts_last_blocks_first() -> No
     assert cache.lookup(cache.hashes(a), len(a)).num_tokens == 8
 
 
+def test_blocks_in_scattered_slots_come_back_in_order() -> None:
+    cache = new_cache(4, 16)  # four blocks
+    a, b = list(range(9)), list(range(20, 29))
+    fill(cache, a)
+    fill(cache, b)
+    cache.release(cache.lookup(cache.hashes(a), len(a)))  # b's blocks are evicted first
+    c = list(range(40, 53))  # 3 blocks: b's two slots, then a's last one
+    fill(cache, c)
+    keys, values = cache.kv(cache.lookup(cache.hashes(c), len(c)))[0]
+    assert keys[0, :, 0].tolist() == [0.0] * 4 + [1.0] * 4 + [2.0] * 4
+    assert values[1, :, 4].tolist() == [-0.0] * 4 + [-1.0] * 4 + [-2.0] * 4
+    assert cache.lookup(cache.hashes(a), len(a)).num_tokens == 4
+
+
 def test_no_capacity_caches_nothing_and_clear_keeps_referenced_blocks() -> None:
-    assert PrefixCache(4, 3).insert([(b"x" * 16, block_kv(1.0))]) == 0
-    cache = PrefixCache(4, 64)
+    assert insert(new_cache(4, 3), [b"x" * 16], blocks_kv(1)) == 0
+    cache = new_cache(4, 64)
     a, b = list(range(9)), list(range(20, 29))
     fill(cache, a)
     fill(cache, b)
@@ -107,7 +147,7 @@ def test_no_capacity_caches_nothing_and_clear_keeps_referenced_blocks() -> None:
 @pytest.mark.parametrize(("block_size", "capacity"), [(0, 8), (4097, 8), (4, -1)])
 def test_bad_settings_are_refused(block_size: int, capacity: int) -> None:
     with pytest.raises(ValueError, match="must be"):
-        PrefixCache(block_size, capacity)
+        new_cache(block_size, capacity)
 
 
 @settings(max_examples=60, deadline=None)
@@ -122,14 +162,14 @@ def test_bad_settings_are_refused(block_size: int, capacity: int) -> None:
 def test_the_bound_is_never_exceeded(ops: list[tuple[list[int], bool]], capacity: int) -> None:
     """Prompts of a 4-token alphabet share prefixes often; each is looked up, its blocks inserted,
     and it keeps its references (or not) for a while."""
-    cache = PrefixCache(2, capacity)
+    cache = new_cache(2, capacity)
     held = []
     for prompt, keep in ops:
         hashes = cache.hashes(prompt)
         match = cache.lookup(hashes, len(prompt))
         assert match.num_tokens <= len(prompt) - 1
         assert [b.block_hash for b in match.blocks] == hashes[: len(match.blocks)]
-        cache.insert([(h, block_kv(0.0, 2)) for h in hashes])
+        insert(cache, hashes, blocks_kv(len(hashes), 2))
         assert cache.num_tokens <= cache.capacity_tokens <= capacity
         (held if keep else []).append(match)
         if not keep:

@@ -72,7 +72,9 @@ def test_prefix_cache_is_exact(models: dict[str, EngineModel], preset: str) -> N
     m = models[preset]
     assert reuse_problem(m.model) is None
     evicted: list[int] = []
-    cache = PrefixCache(4, 40, on_evict=evicted.append)  # 10 blocks: the prompts below overflow it
+    cache = PrefixCache(
+        4, 40, m.kv_layout, m.device, on_evict=evicted.append
+    )  # 10 blocks: the prompts below overflow it
     engine = PrefillEngine(m, m.device, max_batch_tokens=24, prefix_cache=cache)
     base = random_prompt(m, 21, 1)
     own = random_prompt(m, 30, 2)
@@ -111,7 +113,7 @@ def test_kv_with_the_cache_is_the_kv_without_it(models: dict[str, EngineModel]) 
     prompts = [random_prompt(m, 40, 5)]
     prompts.append([*prompts[0][:33], *random_prompt(m, 5, 6)])
     plain = PrefillEngine(m, m.device)
-    cached = PrefillEngine(m, m.device, prefix_cache=PrefixCache(16, 1024))
+    cached = PrefillEngine(m, m.device, prefix_cache=PrefixCache(16, 1024, m.kv_layout, m.device))
 
     async def run(engine: PrefillEngine) -> list[PrefillResult]:
         return [await engine.run(p, GREEDY) for p in prompts]
