@@ -9,9 +9,10 @@ are found.
 
 Each block's keys and values lie in one slot of per-layer pools ``[heads, blocks * block_size,
 width]`` allocated once on the model's device: a prompt's blocks, in consecutive slots as a rule,
-are copied in as one slice and out with one index per layer and tensor. ``lookup`` takes a reference on the blocks it finds (``release`` gives it back); a block
-nobody references waits in LRU order (a prompt's later blocks before its earlier ones) and is
-evicted when ``insert`` needs room. The cache never holds more than ``capacity_tokens`` tokens:
+are copied in as one slice and out with one index per layer and tensor. ``lookup`` takes a
+reference on the blocks it finds (``release`` gives it back); a block nobody references waits in
+LRU order (a prompt's later blocks before its earlier ones) and is evicted when ``insert`` needs
+room. The cache never holds more than ``capacity_tokens`` tokens:
 when every block is referenced, a new block is simply not cached.
 
 The cache belongs to the engine thread: it is not locked (its gauges read plain integers).
@@ -20,7 +21,6 @@ The cache belongs to the engine thread: it is not locked (its gauges read plain 
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 from array import array
 from collections import OrderedDict
@@ -31,8 +31,6 @@ import torch
 from transformers import DynamicCache
 
 from pdserve.kv.layout import KvLayout
-
-logger = logging.getLogger(__name__)
 
 MAX_BLOCK_SIZE = 4096
 HASH_BYTES = 16
