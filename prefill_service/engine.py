@@ -1,31 +1,40 @@
-"""The prefill engine: batched prompt forwards, each request's first token sampled from its row.
+"""The prefill engine: prompt forwards in chunks of a token budget, each first token sampled from its row.
 
 Lifecycle of a request here:
-1. the servicer validates it and submits it; it waits in the engine's queue;
-2. the engine thread takes every waiting request that fits the token budget (batch size times
-   the longest prompt, left-padded) and runs them in one forward with a fresh cache and
-   ``logits_to_keep=1``: every row's last position is its prompt's last token;
-3. each row's first token is sampled from that forward's logits at step 0, or, for a resumed
-   request (its prompt ends with the ``num_generated`` tokens it had generated before its decode
-   was lost), at step ``num_generated``, the finish rules counting those tokens;
-4. a request complete at that token (max_tokens=1, EOS, a stop token or stop string) keeps
-   nothing; otherwise its prompt's KV is packed into one buffer of the prefill's KV space (its
-   shared-memory arena, or private memory), ready to be parked under a handle. With ``n`` > 1
-   choices, each samples its own first token from that row (``prefill_service.first_choices``)
-   and the KV is packed once, unless every choice is complete at its first token;
-5. every request of the batch gets its result the moment that forward ends, with the time it
-   waited in the queue (step 1 to 2).
-A request that asks for logprobs gets its first token's from that forward's row; one that asks for
-``prompt_logprobs`` runs in a forward of its own that keeps the logits of every position
-(``logits_to_keep`` = its prompt's length, so no other row's positions are kept) and gets its
-prompt's (``pdserve.core.logprobs``). A batch without either runs as before.
-A request whose deadline passed while it waited is dropped before its forward (``DeadlineExpired``).
+1. the servicer validates it and submits it; it waits in the engine's queue, then in its line;
+2. at each step the engine begins the prompts at the head of the line (a prompt whose deadline
+   passed is dropped then, ``DeadlineExpired``): each takes the longest prefix of full blocks the
+   prefix cache holds (``prefix_cache``; never its last token), so only the rest of it runs;
+3. the step takes chunks of the prompts in line order within the token budget (``chunk_schedule``:
+   rows times the longest chunk of each forward, left-padded; a prompt longer than the budget is cut
+   into chunks of it and goes to the back of the line after each, so prompts behind it run
+   between its chunks) and runs one forward per group of rows with KV of one length
+   (``prompt_forward``: fresh for whole prompts without a cache hit, ``logits_to_keep=1``: every
+   row's last position is its chunk's last token); after each forward the full blocks of its
+   prompts are offered to the prefix cache;
+4. when its last chunk has run, a prompt's first token is sampled from that forward's logits at
+   step 0, or, for a resumed request (its prompt ends with the ``num_generated`` tokens it had
+   generated before its decode was lost), at step ``num_generated``, the finish rules counting
+   those tokens;
+5. a request complete at that token (max_tokens=1, EOS, a stop token or stop string) keeps
+   nothing; otherwise its prompt's whole KV (cached prefix and computed tokens) is packed into one
+   buffer of the prefill's KV space (its shared-memory arena, or private memory), ready to be parked
+   under a handle;
+6. it gets its result the moment that forward ends, with the time it waited before it began (step
+   1 to 2) and the number of its tokens taken from the prefix cache.
+With ``n`` > 1 choices, each samples its own first token from that row
+(``prefill_service.first_choices``) and the KV is packed once, unless every choice is complete at
+its first token. The logits processors (penalties, min_tokens, ...) and a structured output's
+grammar mask apply to that row before sampling; a request that asks for logprobs gets its first
+token's from the row's raw logits. One that asks for ``prompt_logprobs`` takes nothing from the
+prefix cache and keeps the logits of every position of its chunks (``pdserve.core.logprobs``).
 The servicer bounds the queue (``num_waiting``).
 
-``num_waiting`` and ``num_running`` count the requests of steps 1 and 2-4.
+``num_waiting`` and ``num_running`` count the requests of step 1 and of steps 2-5.
 
-``warm_up`` (``--compile``, before the service is ready) runs this same forward on dummy prompts,
-alone and batched with padding, on the engine thread; its results are dropped and nothing is kept.
+``warm_up`` (``--compile``, before the service is ready) runs this same path on dummy prompts,
+alone and batched with padding, then over a cached prefix, on the engine thread; its results are
+dropped and the prefix cache is emptied of what it cached.
 """
 
 from __future__ import annotations
@@ -40,18 +49,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from pdserve.core.grammar import GrammarState, apply_masks
 from pdserve.core.logits_processing import request_processor
 from pdserve.core.logprobs import TokenLogprobs, position_logprobs, prompt_logprobs
 from pdserve.core.sampling import SamplingParams
-from pdserve.kv.layout import pack_into
+from pdserve.kv.layout import pack_into, unpack
 from pdserve.kv.transports import GLOO, Place
 from pdserve.model.engine_model import EngineModel
 from pdserve.model.warm_up import WarmUp
+from prefill_service.chunk_schedule import Group, schedule
 from prefill_service.first_choices import FirstToken, continues, first_tokens, with_grammar
 from prefill_service.kv_space import KvSpace, ParkedBuffer
+from prefill_service.prefix_cache import LayerKv, PrefixCache
+from prefill_service.prompt_forward import ForwardOutput, run_forward
+from prefill_service.prompt_job import PromptJob
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +76,9 @@ class DeadlineExpired(Exception):
 # class a request can bring is compiled once, with its sizes dynamic (a size of 1 is a class of its
 # own: one-token prompts).
 WARM_UP_BATCHES: tuple[tuple[int, ...], ...] = ((7,), (12,), (1,), (9, 5), (6, 14, 3), (1, 1))
+# With a prefix cache, then: the lengths of the new tokens of prompts over a cached prefix of two
+# blocks (the first one caches it), alone and batched with padding.
+WARM_UP_CACHED: tuple[tuple[int, ...], ...] = ((3,), (5,), (1,), (2, 6))
 
 
 @dataclass(frozen=True)
@@ -79,6 +94,7 @@ class PrefillResult:
     logprobs: TokenLogprobs | None = None  # the first token's, when the request asks
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # prompt tokens 1..n-1, when the request asks
     choice_logprobs: tuple[TokenLogprobs, ...] = ()  # n > 1: each choice's first token's, when asked
+    cached_tokens: int = 0  # of the prompt's, taken from the prefix cache
 
     @property
     def kv_buffer(self) -> torch.Tensor | None:
@@ -99,16 +115,24 @@ class _Pending:
 
 class PrefillEngine:
     def __init__(
-        self, engine_model: EngineModel, kv_space: KvSpace | torch.device, max_batch_tokens: int = 8192
+        self,
+        engine_model: EngineModel,
+        kv_space: KvSpace | torch.device,
+        max_batch_tokens: int = 8192,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
-        """``kv_space``: where KV is parked (a device: private memory there, moved over gloo)."""
+        """``kv_space``: where KV is parked (a device: private memory there, moved over gloo).
+        ``max_batch_tokens``: the token budget of a step. ``prefix_cache``: None, no prefix reuse."""
         self._m = engine_model
         if isinstance(kv_space, torch.device):
             kv_space = KvSpace(GLOO, Place("", str(kv_space)), kv_space)
         self._space = kv_space
         self._max_batch_tokens = max_batch_tokens
+        self._prefix = prefix_cache
         self._queue: queue.SimpleQueue[_Pending | WarmUp | None] = queue.SimpleQueue()
-        self._held: _Pending | WarmUp | None = None
+        self._held: WarmUp | None = None
+        self._line: list[PromptJob] = []  # admitted requests, in the order they are served
+        self._closing = False
         self._num_waiting = 0
         self._num_running = 0
         self._count_lock = threading.Lock()
@@ -151,12 +175,17 @@ class PrefillEngine:
 
     @property
     def num_running(self) -> int:
-        """Requests of the forward running now."""
+        """Requests whose forwards have begun and whose first token is not out yet."""
         return self._num_running
 
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self._prefix
+
     def warm_up(self) -> float:
-        """Runs the prefill forward on the dummy prompts of ``WARM_UP_BATCHES`` on the engine thread,
-        as requests run; blocks until done and returns its duration in seconds."""
+        """Runs the prefill forwards of ``WARM_UP_BATCHES`` (and ``WARM_UP_CACHED`` with a prefix
+        cache) on dummy prompts on the engine thread, as requests run; blocks until done and
+        returns its duration in seconds."""
         request = WarmUp()
         self._queue.put(request)
         seconds = request.wait()
@@ -176,124 +205,205 @@ class PrefillEngine:
         if self._m.device.type == "cuda":
             torch.cuda.set_device(self._m.device)
         while True:
-            batch = self._next_batch()
-            if batch is None:
+            self._admit()
+            if self._closing and not self._line:
                 return
-            if isinstance(batch, WarmUp):
-                batch.run(self._warm_up)
+            if not self._line and self._held is not None:
+                warm_up, self._held = self._held, None
+                warm_up.run(self._warm_up)
                 continue
-            with self._count_lock:
-                self._num_waiting -= len(batch)
-            batch = [p for p in batch if not p.future.cancelled() and not _expired(p)]
-            if not batch:
-                continue
-            started = time.perf_counter()
-            self._num_running = len(batch)
-            try:
-                results = self._prefill(
-                    [p.prompt_token_ids for p in batch],
-                    [p.params for p in batch],
-                    [p.num_generated for p in batch],
-                    [p.grammar for p in batch],
-                )
-            except Exception as exc:
-                logger.exception("prefill forward of %d requests failed", len(batch))
-                for p in batch:
-                    p.loop.call_soon_threadsafe(_set_exception, p.future, exc)
-                continue
-            finally:
-                self._num_running = 0
-            for p, result in zip(batch, results, strict=True):
-                queued = dataclasses.replace(result, queue_seconds=started - p.submitted)
-                p.loop.call_soon_threadsafe(_set_result, p.future, queued)
+            self._step(self._line)
 
-    def _next_batch(self) -> list[_Pending] | WarmUp | None:
-        first = self._held or self._queue.get()
-        self._held = None
-        if first is None or isinstance(first, WarmUp):
-            return first
-        batch = [first]
-        if first.params.prompt_logprobs is not None:
-            return batch  # alone: its forward keeps every position's logits
-        longest = len(first.prompt_token_ids)
-        while True:
+    def _admit(self) -> None:
+        """Moves what waits in the queue to the line (blocking while there is nothing to do); a
+        warm-up waits until the line is empty, and nothing is admitted after it or after close."""
+        while not self._closing and self._held is None:
             try:
-                item = self._queue.get_nowait()
+                item = self._queue.get(block=not self._line)
             except queue.Empty:
-                return batch
+                return
             if item is None:
-                self._queue.put(None)
-                return batch
-            if isinstance(item, WarmUp):
+                self._closing = True
+                for job in self._line:  # a close ends the line too: nothing more runs
+                    self._fail(job, RuntimeError("the prefill engine is closed"))
+                self._line.clear()
+            elif isinstance(item, WarmUp):
                 self._held = item
-                return batch
-            longest_if_added = max(longest, len(item.prompt_token_ids))
-            if (
-                longest_if_added * (len(batch) + 1) > self._max_batch_tokens
-                or item.params.prompt_logprobs is not None
-            ):
-                self._held = item
-                return batch
-            batch.append(item)
-            longest = longest_if_added
+            else:
+                self._line.append(PromptJob(item.prompt_token_ids, item.params, item.num_generated, item))
+
+    def _step(self, line: list[PromptJob]) -> None:
+        """One step: begins the prompts it may reach, runs its forwards, answers the prompts done
+        and sends the ones cut short to the back of ``line``."""
+        self._begin(line)
+        ready = []  # the head of the line that has begun
+        for job in line:
+            if not job.begun:
+                break
+            ready.append(job)
+        if not ready:
+            return
+        groups = schedule([(job.done, job.remaining) for job in ready], self._max_batch_tokens)
+        cut: list[PromptJob] = []
+        for group in groups:
+            jobs = [ready[chunk.index] for chunk in group.chunks]
+            try:
+                finished = self._run_group(group, jobs)
+            except Exception as exc:
+                logger.exception("prefill forward of %d requests failed", len(jobs))
+                for job in jobs:
+                    self._fail(job, exc)
+                    line.remove(job)
+                continue
+            for job in jobs:
+                if job in finished:
+                    line.remove(job)
+                    self._answer(job, finished[job])
+                else:
+                    cut.append(job)
+        for job in cut:
+            line.remove(job)
+            line.append(job)
+
+    def _begin(self, line: list[PromptJob]) -> None:
+        """Begins prompts at the head of ``line`` until their tokens to run fill the budget: each
+        takes its cached prefix now, as late as can be; expired or cancelled ones leave the line."""
+        need = 0
+        for job in list(line):
+            if need >= self._max_batch_tokens:
+                return
+            if not job.begun:
+                pending = job.request
+                if pending is not None:
+                    with self._count_lock:
+                        self._num_waiting -= 1
+                    if pending.future.cancelled() or _expired(pending):
+                        line.remove(job)
+                        continue
+                    with self._count_lock:
+                        self._num_running += 1
+                job.begin(self._prefix, time.perf_counter())
+            need += job.remaining
+
+    def _run_group(self, group: Group, jobs: list[PromptJob]) -> dict[PromptJob, PrefillResult]:
+        """One forward of the group's chunks; the results of the prompts it ends."""
+        m = self._m
+        start = time.perf_counter()
+        chunks = [job.next_chunk(c.num_tokens) for job, c in zip(jobs, group.chunks, strict=True)]
+        pasts = [job.kv for job in jobs if job.kv is not None] if group.past else None
+        keep = max([len(c) for job, c in zip(jobs, chunks, strict=True) if job.wants_prompt_logits] or [1])
+        out = run_forward(m, pasts, chunks, keep)
+        finished: dict[PromptJob, PrefillResult] = {}
+        for row, (job, chunk) in enumerate(zip(jobs, chunks, strict=True)):
+            if job.wants_prompt_logits and out.kept is not None:
+                job.prompt_logits.append(out.kept[row, -len(chunk) :])
+            new_blocks = job.ran(len(chunk), self._prefix)
+            kv = out.row_kv(row)
+            if job.remaining:
+                job.kv = kv
+            else:
+                finished[job] = result = self._first_token(job, out, row, kv, len(jobs))
+                if result.kv is not None:  # the same KV, contiguous: the cheaper copy
+                    kv = unpack(result.kv.tensor, m.kv_layout, result.num_tokens)
+            self._offer_blocks(new_blocks, kv)
+        if m.device.type == "cuda":
+            torch.cuda.synchronize(m.device)
+        elapsed = time.perf_counter() - start
+        for job in jobs:
+            job.forward_seconds += elapsed
+        return {
+            job: dataclasses.replace(result, forward_seconds=job.forward_seconds)
+            for job, result in finished.items()
+        }
+
+    def _offer_blocks(self, blocks: list[tuple[bytes, int]], kv: LayerKv) -> None:
+        """Offers the prefix cache a prompt's new full blocks (hash, index; consecutive) from its
+        KV ``kv``."""
+        if self._prefix is None or not blocks:
+            return
+        size = self._prefix.block_size
+        start, end = blocks[0][1] * size, (blocks[-1][1] + 1) * size
+        self._prefix.insert([h for h, _ in blocks], [(k[:, start:end], v[:, start:end]) for k, v in kv])
+
+    def _first_token(
+        self, job: PromptJob, out: ForwardOutput, row: int, kv: LayerKv, batch_size: int
+    ) -> PrefillResult:
+        """The prompt's first token, sampled from the last logits row of its last forward, and its
+        whole KV packed when the request goes on."""
+        m = self._m
+        row_params, step, num_tokens = job.params, job.num_generated, len(job.token_ids)
+        raw = out.logits[row]
+        row_logits = raw.clone()
+        grammar = job.request.grammar if job.request is not None else None
+        if grammar is not None:
+            apply_masks(row_logits[None], [grammar])
+        processor = request_processor(row_params, m.limits.eos_token_ids, job.token_ids, step)
+        if processor is not None:
+            row_logits = processor.apply(row_logits)
+        choices = first_tokens(row_logits, row_params, step, m.limits.eos_token_ids, self._token_text)
+        if grammar is not None:
+            choices = with_grammar(choices, grammar)
+        token, reason = choices[0].token_id, choices[0].finish_reason
+        buffer = None
+        if continues(choices):
+            buffer = self._space.allocate(m.kv_layout.num_bytes(num_tokens))
+            layers = [(k[None], v[None]) for k, v in kv]
+            pack_into(buffer.tensor, layers, m.kv_layout, 0, 0, num_tokens)
+        result = PrefillResult(
+            token,
+            reason,
+            buffer,
+            num_tokens,
+            0.0,
+            batch_size,
+            choices=choices,
+            cached_tokens=job.cached_tokens,
+        )
+        if row_params.logprobs is not None or row_params.prompt_logprobs is not None:
+            kept = torch.cat(job.prompt_logits) if job.prompt_logits else raw[None]
+            result = _with_logprobs(result, kept, job.token_ids, row_params)
+        return result
+
+    def _answer(self, job: PromptJob, result: PrefillResult) -> None:
+        pending = job.request
+        if pending is None:
+            return
+        with self._count_lock:
+            self._num_running -= 1
+        queued = dataclasses.replace(result, queue_seconds=job.started - pending.submitted)
+        pending.loop.call_soon_threadsafe(_set_result, pending.future, queued)
+
+    def _fail(self, job: PromptJob, exc: BaseException) -> None:
+        job.release(self._prefix)
+        pending = job.request
+        if pending is None:
+            return
+        with self._count_lock:
+            if job.begun:
+                self._num_running -= 1
+            else:
+                self._num_waiting -= 1
+        pending.loop.call_soon_threadsafe(_set_exception, pending.future, exc)
 
     def _warm_up(self) -> None:
         vocab_size = self._m.limits.vocab_size
         params = SamplingParams(max_tokens=1, temperature=0.0)  # complete at the first token: no KV packed
-        for lengths in WARM_UP_BATCHES:
-            prompts = [[(row + i) % vocab_size for i in range(n)] for row, n in enumerate(lengths)]
-            self._prefill(prompts, [params] * len(prompts), [0] * len(prompts))
-
-    def _prefill(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: Sequence[SamplingParams],
-        num_generated: Sequence[int],
-        grammars: Sequence[GrammarState | None] = (),
-    ) -> list[PrefillResult]:
-        m = self._m
-        start = time.perf_counter()
-        lengths = [len(p) for p in prompts]
-        longest = max(lengths)
-        input_ids = torch.zeros((len(prompts), longest), dtype=torch.long)
-        mask = torch.zeros((len(prompts), longest), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, longest - lengths[row] :] = torch.tensor(prompt)
-            mask[row, longest - lengths[row] :] = 1
-        cache = DynamicCache(config=m.model.config)
-        kwargs = {}
-        if len(prompts) > 1:  # left padding: every row ends at the last position
-            kwargs = {
-                "attention_mask": mask.to(m.device),
-                "position_ids": (mask.cumsum(-1) - 1).clamp(min=0).to(m.device),
-            }
-        keep = max([lengths[row] for row, p in enumerate(params) if p.prompt_logprobs is not None] or [1])
-        out = m.forward(
-            input_ids=input_ids.to(m.device), cache=cache, use_cache=True, logits_to_keep=keep, **kwargs
-        )
-        logits = out.logits[:, -1]
-        apply_masks(logits, grammars)
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
-        results = []
-        for row, (row_params, step) in enumerate(zip(params, num_generated, strict=True)):
-            processor = request_processor(row_params, m.limits.eos_token_ids, prompts[row], step)
-            row_logits = processor.apply(logits[row]) if processor is not None else logits[row]
-            choices = first_tokens(row_logits, row_params, step, m.limits.eos_token_ids, self._token_text)
-            if grammars and (grammar := grammars[row]) is not None:
-                choices = with_grammar(choices, grammar)
-            token, reason = choices[0].token_id, choices[0].finish_reason
-            buffer = None
-            if continues(choices):
-                buffer = self._space.allocate(m.kv_layout.num_bytes(lengths[row]))
-                pack_into(buffer.tensor, layers, m.kv_layout, row, longest - lengths[row], lengths[row])
-            result = PrefillResult(token, reason, buffer, lengths[row], 0.0, len(prompts), choices=choices)
-            if row_params.logprobs is not None or row_params.prompt_logprobs is not None:
-                result = _with_logprobs(result, out.logits[row], prompts[row], row_params)
-            results.append(result)
-        if m.device.type == "cuda":
-            torch.cuda.synchronize(m.device)
-        elapsed = time.perf_counter() - start
-        return [dataclasses.replace(r, forward_seconds=elapsed) for r in results]
+        batches = [
+            [[(row + i) % vocab_size for i in range(n)] for row, n in enumerate(lengths)]
+            for lengths in WARM_UP_BATCHES
+        ]
+        if self._prefix is not None:
+            prefix = [(3 * i + 1) % vocab_size for i in range(2 * self._prefix.block_size)]
+            batches += [
+                [prefix + [(row + i) % vocab_size for i in range(n)] for row, n in enumerate(lengths)]
+                for lengths in WARM_UP_CACHED
+            ]
+        for prompts in batches:
+            line = [PromptJob(prompt, params, 0, None) for prompt in prompts]
+            while line:
+                self._step(line)
+        if self._prefix is not None:
+            self._prefix.clear()
 
     def _token_text(self, token: int) -> str:
         text: str = self._m.tokenizer.decode([token], skip_special_tokens=True)

@@ -14,7 +14,9 @@ QUEUE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 if TYPE_CHECKING:
     from prefill_service.kv_lender import KvLender
     from prefill_service.kv_space import KvSpace
+    from prefill_service.prefix_cache import PrefixCache
 
+CACHED_TOKENS_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -146,6 +148,35 @@ class PrefillMetrics:
             "KVs parked in private memory because the shared-memory arena was full",
             registry=registry,
         )
+        self.prefix_cache_queries = Counter(
+            "pdserve_prefill_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            registry=registry,
+        )
+        self.prefix_cache_hits = Counter(
+            "pdserve_prefill_prefix_cache_hits",
+            "Prompt tokens whose KV came from the prefix cache",
+            registry=registry,
+        )
+        self.cached_tokens = Histogram(
+            "pdserve_prefill_cached_tokens",
+            "Prompt tokens of each request taken from the prefix cache",
+            buckets=CACHED_TOKENS_BUCKETS,
+            registry=registry,
+        )
+        self.prefix_cache_tokens = Gauge(
+            "pdserve_prefill_prefix_cache_tokens", "Tokens held in the prefix cache", registry=registry
+        )
+        self.prefix_cache_capacity_tokens = Gauge(
+            "pdserve_prefill_prefix_cache_capacity_tokens",
+            "Most tokens the prefix cache holds (0: no prefix cache)",
+            registry=registry,
+        )
+        self.prefix_cache_evicted_tokens = Counter(
+            "pdserve_prefill_prefix_cache_evicted_tokens",
+            "Tokens evicted from the prefix cache to make room",
+            registry=registry,
+        )
         self.compiles = CompiledFrames("pdserve_prefill_compiles", registry)
         self.warmup_seconds = Gauge(
             "pdserve_prefill_warmup_seconds",
@@ -156,6 +187,10 @@ class PrefillMetrics:
     def track_queue(self, num_waiting: Callable[[], int], num_running: Callable[[], int]) -> None:
         self.waiting.set_function(num_waiting)
         self.running.set_function(num_running)
+
+    def track_prefix_cache(self, cache: PrefixCache) -> None:
+        self.prefix_cache_tokens.set_function(lambda: cache.num_tokens)
+        self.prefix_cache_capacity_tokens.set(cache.capacity_tokens)
 
     def track_parked(self, num_handles: Callable[[], int], num_bytes: Callable[[], int]) -> None:
         self.parked_handles.set_function(num_handles)

@@ -39,6 +39,7 @@ from prefill_service.kv_registry import KvRegistry
 from prefill_service.kv_sender import KvSender
 from prefill_service.kv_space import KvSpace
 from prefill_service.metrics import PrefillMetrics
+from prefill_service.prefix_cache import PrefixCache, default_capacity_tokens, reuse_problem
 from prefill_service.servicer import PrefillServicer
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,37 @@ def default_arena_bytes(directory: Path) -> int:
     return min(stats.f_frsize * stats.f_blocks // 4, MAX_DEFAULT_ARENA_BYTES)
 
 
+def build_prefix_cache(
+    config: PrefillConfig, engine_model: EngineModel, metrics: PrefillMetrics
+) -> PrefixCache | None:
+    """The prefill's prefix cache, or None when it is off or cannot reuse this model's KV exactly."""
+    if not config.prefix_cache_on:
+        logger.info("prefix cache: off")
+        return None
+    problem = reuse_problem(engine_model.model)
+    if problem is not None:
+        logger.warning("prefix cache: off, %s cannot be reused exactly: %s", config.engine.model, problem)
+        return None
+    capacity = config.prefix_cache_tokens
+    if capacity < 0:
+        capacity = default_capacity_tokens(engine_model.kv_layout.bytes_per_token(), engine_model.device)
+    cache = PrefixCache(
+        config.prefix_block_size,
+        capacity,
+        engine_model.kv_layout,
+        engine_model.device,
+        metrics.prefix_cache_evicted_tokens.inc,
+    )
+    metrics.track_prefix_cache(cache)
+    logger.info(
+        "prefix cache: %d tokens in blocks of %d (%d bytes per token)",
+        cache.capacity_tokens,
+        cache.block_size,
+        engine_model.kv_layout.bytes_per_token(),
+    )
+    return cache
+
+
 @dataclass
 class PrefillParts:
     """Everything of a prefill but its gRPC server: built once, served alone or colocated."""
@@ -146,7 +178,8 @@ def build_prefill(
     metrics.track_parked(lambda: registry.num_parked, lambda: registry.num_bytes_parked)
     metrics.track_lent(lender, space)
     sender = KvSender(instance_id, backend, engine_model.device, host, timeout, metrics)
-    engine = PrefillEngine(engine_model, space, config.batch_tokens)
+    prefix_cache = build_prefix_cache(config, engine_model, metrics)
+    engine = PrefillEngine(engine_model, space, config.batch_tokens, prefix_cache)
     metrics.track_queue(lambda: engine.num_waiting, lambda: engine.num_running)
     issuer = HandleIssuer(
         prefill_address=server.address,

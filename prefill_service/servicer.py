@@ -276,8 +276,14 @@ class PrefillServicer(KvHandoffServicer):
         self._metrics.forward_seconds.observe(result.forward_seconds)
         self._metrics.queue_seconds.observe(result.queue_seconds)
         self._metrics.batch_size.observe(result.batch_size)
+        if self._engine.prefix_cache is not None:
+            self._metrics.prefix_cache_queries.inc(len(request.prompt_token_ids))
+            self._metrics.prefix_cache_hits.inc(result.cached_tokens)
+            self._metrics.cached_tokens.observe(result.cached_tokens)
         if params.n > 1:
-            return choices_response(result, self._registry, self._issuer, self._metrics)
+            response = choices_response(result, self._registry, self._issuer, self._metrics)
+            response.cached_tokens = result.cached_tokens
+            return response
         if result.finish_reason is not None or result.kv is None:
             self._metrics.finished_at_first_token.labels(result.finish_reason or "").inc()
             return _with_logprobs(
@@ -285,6 +291,7 @@ class PrefillServicer(KvHandoffServicer):
                     first_token_id=result.first_token_id,
                     finish_reason=result.finish_reason or "",
                     queue_seconds=result.queue_seconds,
+                    cached_tokens=result.cached_tokens,
                 ),
                 result,
             )
@@ -296,6 +303,7 @@ class PrefillServicer(KvHandoffServicer):
                 first_token_id=result.first_token_id,
                 kv_handle=self._issuer.issue(entry),
                 queue_seconds=result.queue_seconds,
+                cached_tokens=result.cached_tokens,
             ),
             result,
         )

@@ -57,10 +57,13 @@ def test_compiled_engines_match_generate(cache_dir: Path, tmp_path: Path, refere
             torch.randint(3, model.config.vocab_size, (n,), generator=generator).tolist()
             for n in (3, 40, 17, 1)
         ]
-        max_tokens = [12, 20, 1, 5]
-        # One request alone, then several together, then a one-token prompt: new shapes for the
-        # forwards, each compiled by the warm-up already.
-        for batch in ([0], [0, 1, 2], [3], [3, 0]):
+        # Two prompts over prompt 1's first two blocks (the prefix cache holds them after it ran).
+        prompts += [[*prompts[1][:32], *prompts[2][:n]] for n in (3, 6)]
+        max_tokens = [12, 20, 1, 5, 4, 6]
+        # One request alone, then several together, then a one-token prompt, then prompts over
+        # cached prefixes, alone and together: new shapes for the forwards, each compiled by the
+        # warm-up already.
+        for batch in ([0], [0, 1, 2], [3], [3, 0], [1], [4, 5, 2]):
             requests = [
                 make_request(
                     prompt_token_ids=prompts[i], max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True

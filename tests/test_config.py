@@ -63,6 +63,9 @@ ADDRS = {"prefill": ("127.0.0.1:1",), "decode": ("127.0.0.1:2",)}
             r"^max_batch_tokens must be >= 0 \(0: by device\), got -1$",
         ),
         (PrefillConfig, {"lease_s": float("nan")}, r"^lease_s must be a finite number > 0, got nan$"),
+        (PrefillConfig, {"prefix_cache_tokens": -2}, r"^prefix_cache_tokens must be >= -1, got -2$"),
+        (PrefillConfig, {"prefix_block_size": 0}, r"^prefix_block_size must be in \[1, 4096\], got 0$"),
+        (PrefillConfig, {"prefix_block_size": 4097}, r"^prefix_block_size must be in \[1, 4096\]"),
         (
             TransferConfig,
             {"transfer_timeout_s": float("nan")},
@@ -394,6 +397,9 @@ INTERNAL_ENV = [
                 "PDSERVE_MAX_BATCH_TOKENS",
                 "PDSERVE_KV_SHM_BYTES",
                 "PDSERVE_MAX_PREFILL_WAITING",
+                "PDSERVE_PREFIX_CACHE_TOKENS",
+                "PDSERVE_NO_PREFIX_CACHE",
+                "PDSERVE_PREFIX_BLOCK_SIZE",
             ],
         ),
         (

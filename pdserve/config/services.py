@@ -196,9 +196,11 @@ class ServerConfig:
 CPU_BATCH_TOKENS = 512
 CUDA_BATCH_TOKENS = 8192
 MAX_BATCH_TOKENS_HELP = (
-    "token budget of one batched prefill forward (batch x longest prompt); "
-    f"0: {CPU_BATCH_TOKENS} on CPU, {CUDA_BATCH_TOKENS} on CUDA"
+    "token budget of one prefill step (per forward: rows x longest chunk); a longer prompt is "
+    f"prefilled in chunks of it, other prompts running between them; 0: {CPU_BATCH_TOKENS} on CPU, "
+    f"{CUDA_BATCH_TOKENS} on CUDA"
 )
+MAX_PREFIX_BLOCK_SIZE = 4096
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,21 @@ class PrefillSettings:
             "(RESOURCE_EXHAUSTED: the gateway tries another prefill)"
         },
     )
+    prefix_cache_tokens: int = field(
+        default=-1,
+        metadata={
+            "help": "most prompt tokens whose KV the prefill's prefix cache keeps (LRU) for prompts "
+            "that start the same way; -1: 1/16 of the device's memory (at most 4 GiB) over the "
+            "model's KV bytes per token; 0: no prefix cache"
+        },
+    )
+    no_prefix_cache: bool = field(
+        default=False, metadata={"help": "turn the prefill's prefix cache off (as --prefix-cache-tokens 0)"}
+    )
+    prefix_block_size: int = field(
+        default=16,
+        metadata={"help": "tokens per block of the prefix cache: prompts share the KV of whole blocks"},
+    )
 
     def check_prefill(self) -> None:
         check_port("kv_port", self.kv_port)
@@ -259,6 +276,16 @@ class PrefillSettings:
         check_at_least("max_prefill_waiting", self.max_prefill_waiting, 1)
         if self.max_batch_tokens < 0:
             raise ValueError(f"max_batch_tokens must be >= 0 (0: by device), got {self.max_batch_tokens}")
+        check_at_least("prefix_cache_tokens", self.prefix_cache_tokens, -1)
+        if not 1 <= self.prefix_block_size <= MAX_PREFIX_BLOCK_SIZE:
+            raise ValueError(
+                f"prefix_block_size must be in [1, {MAX_PREFIX_BLOCK_SIZE}], got {self.prefix_block_size}"
+            )
+
+    @property
+    def prefix_cache_on(self) -> bool:
+        """Whether the prefill keeps a prefix cache."""
+        return not self.no_prefix_cache and self.prefix_cache_tokens != 0
 
     def batch_tokens_on(self, device: str) -> int:
         """The token budget on ``device``: ``max_batch_tokens``, or the device's default when 0."""

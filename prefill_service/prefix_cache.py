@@ -1,0 +1,231 @@
+"""The prefill's prefix cache: the KV of full prompt blocks already computed, found again by hash.
+
+A prompt is cut into blocks of ``block_size`` tokens; block i's hash is chained (vLLM's scheme): it
+covers the hash of block i - 1 and block i's own tokens, so it names the whole prefix up to the end
+of that block, and two prompts share a block's KV exactly when they share every token up to it. Only
+full blocks are cached; a prompt's last token is never taken from the cache (its forward must give
+the logits of the first token), so at most ``(len(prompt) - 1) // block_size`` blocks of a prompt
+are found.
+
+Each block's keys and values lie in one slot of per-layer pools ``[heads, blocks * block_size,
+width]`` allocated once on the model's device: a prompt's blocks, in consecutive slots as a rule,
+are copied in as one slice and out with one index per layer and tensor. ``lookup`` takes a
+reference on the blocks it finds (``release`` gives it back); a block nobody references waits in
+LRU order (a prompt's later blocks before its earlier ones) and is evicted when ``insert`` needs
+room. The cache never holds more than ``capacity_tokens`` tokens:
+when every block is referenced, a new block is simply not cached.
+
+The cache belongs to the engine thread: it is not locked (its gauges read plain integers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from pdserve.kv.layout import KvLayout
+
+MAX_BLOCK_SIZE = 4096
+HASH_BYTES = 16
+MAX_DEFAULT_BYTES = 4 << 30
+
+# Per layer, the keys and values of some tokens: ``[heads, tokens, width]`` each.
+LayerKv = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The chained hash of every full block of ``token_ids``."""
+    hashes: list[bytes] = []
+    parent = b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
+        h.update(array("q", token_ids[start : start + block_size]).tobytes())
+        parent = h.digest()
+        hashes.append(parent)
+    return hashes
+
+
+def default_capacity_tokens(bytes_per_token: int, device: torch.device) -> int:
+    """The default bound: 1/16 of the device's memory, at most ``MAX_DEFAULT_BYTES``, in tokens."""
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(memory // 16, MAX_DEFAULT_BYTES) // max(bytes_per_token, 1)
+
+
+def reuse_problem(model: object) -> str | None:
+    """Why the prefix cache cannot reuse this model's KV exactly, or None when it can: every layer
+    of its cache must hold all positions, in order (no sliding window, no chunked attention)."""
+    config = getattr(model, "config", None)
+    try:
+        cache = DynamicCache(config=config)
+    except Exception as exc:  # a config transformers cannot build a cache of
+        return f"its cache cannot be built ({exc})"
+    for i, layer in enumerate(cache.layers):
+        if getattr(layer, "is_sliding", False) or type(layer).__name__ != "DynamicLayer":
+            return f"layer {i} caches a window ({type(layer).__name__}), not every position"
+    return None
+
+
+@dataclass(eq=False)
+class Block:
+    block_hash: bytes
+    slot: int  # where its KV lies in the cache's pools
+    refs: int = 0
+
+
+@dataclass
+class PrefixMatch:
+    """Blocks ``lookup`` found for a prompt, referenced until ``PrefixCache.release``."""
+
+    blocks: list[Block] = field(default_factory=list)
+    block_size: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        block_size: int,
+        capacity_tokens: int,
+        layout: KvLayout,
+        device: torch.device,
+        on_evict: Callable[[int], None] | None = None,
+    ) -> None:
+        """Holds at most ``capacity_tokens`` (rounded down to whole blocks) of KV of ``layout`` on
+        ``device``, in pools allocated once. ``on_evict``: told the number of tokens of each eviction."""
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
+        if capacity_tokens < 0:
+            raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
+        self.block_size = block_size
+        self.capacity_blocks = capacity_tokens // block_size
+        n = self.capacity_blocks
+        self._pools = [
+            (
+                torch.empty((kh, n * block_size, kw), dtype=layout.dtype, device=device),
+                torch.empty((vh, n * block_size, vw), dtype=layout.dtype, device=device),
+            )
+            for (kh, kw), (vh, vw) in zip(layout.keys, layout.values, strict=True)
+        ]
+        self._device = device
+        self._blocks: dict[bytes, Block] = {}
+        self._free: OrderedDict[bytes, Block] = OrderedDict()  # unreferenced, least recently used first
+        self._unused_slots = list(range(n - 1, -1, -1))
+        self._on_evict = on_evict
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.capacity_blocks * self.block_size
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens cached now."""
+        return len(self._blocks) * self.block_size
+
+    @property
+    def num_referenced_blocks(self) -> int:
+        return len(self._blocks) - len(self._free)
+
+    def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        return block_hashes(token_ids, self.block_size)
+
+    def lookup(self, hashes: Sequence[bytes], num_prompt_tokens: int) -> PrefixMatch:
+        """The cached blocks that start a prompt of these block hashes, each referenced once; never
+        the block of the prompt's last token."""
+        usable = min(len(hashes), (num_prompt_tokens - 1) // self.block_size)
+        match = PrefixMatch(block_size=self.block_size)
+        for block_hash in hashes[:usable]:
+            block = self._blocks.get(block_hash)
+            if block is None:
+                break
+            if block.refs == 0:
+                del self._free[block_hash]
+            block.refs += 1
+            match.blocks.append(block)
+        return match
+
+    def kv(self, match: PrefixMatch) -> LayerKv:
+        """Per layer, the keys and values of a match's tokens ``[heads, tokens, width]`` (new
+        tensors)."""
+        size = self.block_size
+        tokens = torch.tensor(
+            [block.slot * size + t for block in match.blocks for t in range(size)], device=self._device
+        )
+        return [
+            (keys.index_select(1, tokens), values.index_select(1, tokens)) for keys, values in self._pools
+        ]
+
+    def release(self, match: PrefixMatch) -> None:
+        """Gives back ``lookup``'s references (once); blocks nobody references become evictable, a
+        prompt's last blocks first."""
+        for block in reversed(match.blocks):
+            block.refs -= 1
+            if block.refs == 0 and self._blocks.get(block.block_hash) is block:
+                self._free[block.block_hash] = block
+        match.blocks = []
+
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self._blocks
+
+    def insert(self, hashes: Sequence[bytes], kv: LayerKv) -> int:
+        """Caches a copy of consecutive blocks of a prompt: ``kv`` holds their tokens (per layer
+        ``[heads, len(hashes) * block_size, width]``), ``hashes`` their hashes. Evicts the least
+        recently used unreferenced blocks when full. Returns how many were cached (one already
+        there, or with no room left because every block is referenced, is not)."""
+        added: list[Block] = []
+        runs: list[tuple[int, int, int]] = []  # (first block of kv, first slot, blocks): consecutive slots
+        for i, block_hash in enumerate(hashes):
+            if block_hash in self._blocks:
+                continue
+            slot = self._free_slot()
+            if slot is None:
+                break
+            block = Block(block_hash, slot)
+            self._blocks[block_hash] = block
+            added.append(block)
+            if runs and runs[-1][0] + runs[-1][2] == i and runs[-1][1] + runs[-1][2] == slot:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((i, slot, 1))
+        size = self.block_size
+        for (keys, values), (k, v) in zip(self._pools, kv, strict=True):
+            for first, slot, count in runs:
+                keys[:, slot * size : (slot + count) * size].copy_(
+                    k[:, first * size : (first + count) * size]
+                )
+                values[:, slot * size : (slot + count) * size].copy_(
+                    v[:, first * size : (first + count) * size]
+                )
+        for block in reversed(added):  # the prompt's later blocks are evicted first
+            self._free[block.block_hash] = block
+        return len(added)
+
+    def _free_slot(self) -> int | None:
+        if self._unused_slots:
+            return self._unused_slots.pop()
+        if not self._free:
+            return None
+        evicted_hash, evicted = self._free.popitem(last=False)
+        del self._blocks[evicted_hash]
+        if self._on_evict is not None:
+            self._on_evict(self.block_size)
+        return evicted.slot
+
+    def clear(self) -> None:
+        """Drops every unreferenced block."""
+        for block_hash, block in self._free.items():
+            del self._blocks[block_hash]
+            self._unused_slots.append(block.slot)
+        self._free.clear()

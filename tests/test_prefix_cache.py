@@ -1,0 +1,227 @@
+"""The prefix cache alone: chained block hashes, references, LRU eviction and its bound; and the
+chunk schedule of a prefill step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve.kv.layout import KvLayout
+from prefill_service.chunk_schedule import Chunk, Group, schedule
+from prefill_service.prefix_cache import LayerKv, PrefixCache, block_hashes
+
+# One layer: keys of 2 heads x 3, values of 2 heads x 5 (as MLA, keys and values differ).
+LAYOUT = KvLayout(keys=((2, 3),), values=((2, 5),), dtype=torch.float32)
+
+
+def new_cache(block_size: int, capacity: int, **kwargs: Any) -> PrefixCache:
+    return PrefixCache(block_size, capacity, LAYOUT, torch.device("cpu"), **kwargs)
+
+
+def blocks_kv(num_blocks: int, block_size: int = 4) -> LayerKv:
+    """KV of ``num_blocks`` blocks; every token of block i holds i in its keys, -i in its values."""
+    values = torch.arange(num_blocks, dtype=torch.float32).repeat_interleave(block_size)
+    return [(values[None, :, None].expand(2, -1, 3), -values[None, :, None].expand(2, -1, 5))]
+
+
+def insert(cache: PrefixCache, hashes: list[bytes], kv: LayerKv) -> int:
+    return cache.insert(hashes, kv)
+
+
+def fill(cache: PrefixCache, prompt: list[int]) -> list[bytes]:
+    hashes = cache.hashes(prompt)
+    insert(cache, hashes, blocks_kv(len(hashes), cache.block_size))
+    return hashes
+
+
+def test_hashes_are_chained_over_full_blocks() -> None:
+    a = block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    assert len(a) == 2  # the 9th token is no full block
+    assert a == block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert block_hashes([0, 2, 3, 4, 5, 6, 7, 8], 4)[1] != a[1], "block 1's hash ignores block 0"
+    assert block_hashes([5, 6, 7, 8, 1, 2, 3, 4], 4)[1] != a[0]
+    assert block_hashes([1, 2, 3], 4) == []
+    assert len(set(block_hashes(list(range(64)), 4))) == 16
+
+
+def test_lookup_takes_the_longest_cached_start_but_never_the_last_token() -> None:
+    cache = new_cache(4, 64)
+    prompt = list(range(100, 112))
+    fill(cache, prompt)
+    assert cache.num_tokens == 12
+    assert cache.lookup(cache.hashes(prompt), len(prompt)).num_tokens == 8  # the last token runs
+    longer = [*prompt, 7]
+    assert cache.lookup(cache.hashes(longer), len(longer)).num_tokens == 12
+    mid_block = [*prompt[:6], 1, 2, 3]
+    match = cache.lookup(cache.hashes(mid_block), len(mid_block))
+    assert match.num_tokens == 4
+    keys, values = cache.kv(match)[0]
+    assert keys.shape == (2, 4, 3) and values.shape == (2, 4, 5) and not keys.any() and not values.any()
+    other = [1, *prompt[1:]]
+    assert cache.lookup(cache.hashes(other), len(other)).num_tokens == 0
+
+
+def test_kv_of_a_match_is_its_blocks_in_order() -> None:
+    cache = new_cache(4, 64)
+    prompt = list(range(13))
+    fill(cache, prompt)
+    keys, values = cache.kv(cache.lookup(cache.hashes(prompt), len(prompt)))[0]
+    assert keys.shape == (2, 12, 3) and values.shape == (2, 12, 5)
+    assert keys[1, :, 2].tolist() == [0.0] * 4 + [1.0] * 4 + [2.0] * 4
+    assert values[0, :, 4].tolist() == [-0.0] * 4 + [-1.0] * 4 + [-2.0] * 4
+
+
+def test_an_evicted_slot_holds_the_new_block() -> None:
+    cache = new_cache(4, 4)  # one block
+    a, b = list(range(5)), list(range(10, 15))
+    fill(cache, a)
+    insert(cache, cache.hashes(b), [(k + 7, v - 7) for k, v in blocks_kv(1)])
+    keys, values = cache.kv(cache.lookup(cache.hashes(b), len(b)))[0]
+    assert keys.eq(7).all() and values.eq(-7).all()
+    assert cache.lookup(cache.hashes(a), len(a)).num_tokens == 0
+
+
+def test_referenced_blocks_are_never_evicted_and_the_bound_holds() -> None:
+    evicted: list[int] = []
+    cache = new_cache(4, 8, on_evict=evicted.append)  # two blocks
+    a = list(range(9))
+    fill(cache, a)
+    held = cache.lookup(cache.hashes(a), len(a))
+    assert held.num_tokens == 8 and cache.num_referenced_blocks == 2
+    b = list(range(50, 59))
+    assert fill(cache, b) and cache.num_tokens == 8, "a block was cached over the bound"
+    assert cache.lookup(cache.hashes(b), len(b)).num_tokens == 0
+    assert evicted == []
+    cache.release(held)
+    cache.release(held)  # a second release gives nothing back twice
+    assert cache.num_referenced_blocks == 0
+    fill(cache, b)
+    assert cache.num_tokens == 8 and evicted == [4, 4]
+    assert cache.lookup(cache.hashes(b), len(b)).num_tokens == 8
+
+
+def test_eviction_is_least_recently_used_and_a_prompts_last_blocks_first() -> None:
+    cache = new_cache(4, 16)  # four blocks
+    a, b = list(range(9)), list(range(40, 49))
+    fill(cache, a)
+    fill(cache, b)
+    cache.release(cache.lookup(cache.hashes(a), len(a)))  # a is now the most recently used
+    c = list(range(80, 85))
+    fill(cache, c)  # evicts b's last block, not b's first nor a's
+    assert cache.lookup(cache.hashes(b), len(b)).num_tokens == 4
+    assert cache.lookup(cache.hashes(a), len(a)).num_tokens == 8
+
+
+def test_blocks_in_scattered_slots_come_back_in_order() -> None:
+    cache = new_cache(4, 16)  # four blocks
+    a, b = list(range(9)), list(range(20, 29))
+    fill(cache, a)
+    fill(cache, b)
+    cache.release(cache.lookup(cache.hashes(a), len(a)))  # b's blocks are evicted first
+    c = list(range(40, 53))  # 3 blocks: b's two slots, then a's last one
+    fill(cache, c)
+    keys, values = cache.kv(cache.lookup(cache.hashes(c), len(c)))[0]
+    assert keys[0, :, 0].tolist() == [0.0] * 4 + [1.0] * 4 + [2.0] * 4
+    assert values[1, :, 4].tolist() == [-0.0] * 4 + [-1.0] * 4 + [-2.0] * 4
+    assert cache.lookup(cache.hashes(a), len(a)).num_tokens == 4
+
+
+def test_no_capacity_caches_nothing_and_clear_keeps_referenced_blocks() -> None:
+    assert insert(new_cache(4, 3), [b"x" * 16], blocks_kv(1)) == 0
+    cache = new_cache(4, 64)
+    a, b = list(range(9)), list(range(20, 29))
+    fill(cache, a)
+    fill(cache, b)
+    held = cache.lookup(cache.hashes(a), len(a))
+    cache.clear()
+    assert cache.num_tokens == 8 and cache.contains(cache.hashes(a)[0])
+    cache.release(held)
+    cache.clear()
+    assert cache.num_tokens == 0
+
+
+@pytest.mark.parametrize(("block_size", "capacity"), [(0, 8), (4097, 8), (4, -1)])
+def test_bad_settings_are_refused(block_size: int, capacity: int) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        new_cache(block_size, capacity)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=14), st.booleans()),
+        min_size=1,
+        max_size=30,
+    ),
+    st.integers(0, 24),
+)
+def test_the_bound_is_never_exceeded(ops: list[tuple[list[int], bool]], capacity: int) -> None:
+    """Prompts of a 4-token alphabet share prefixes often; each is looked up, its blocks inserted,
+    and it keeps its references (or not) for a while."""
+    cache = new_cache(2, capacity)
+    held = []
+    for prompt, keep in ops:
+        hashes = cache.hashes(prompt)
+        match = cache.lookup(hashes, len(prompt))
+        assert match.num_tokens <= len(prompt) - 1
+        assert [b.block_hash for b in match.blocks] == hashes[: len(match.blocks)]
+        insert(cache, hashes, blocks_kv(len(hashes), 2))
+        assert cache.num_tokens <= cache.capacity_tokens <= capacity
+        (held if keep else []).append(match)
+        if not keep:
+            cache.release(match)
+        if len(held) > 3:
+            cache.release(held.pop(0))
+    for match in held:
+        cache.release(match)
+    assert cache.num_referenced_blocks == 0
+
+
+def test_schedule_takes_whole_prompts_in_order_within_the_budget() -> None:
+    assert schedule([(0, 12), (0, 9), (0, 12), (0, 3), (0, 20)], 48) == [
+        Group(0, (Chunk(0, 12), Chunk(1, 9), Chunk(2, 12), Chunk(3, 3)))
+    ]
+    assert schedule([(0, 20), (0, 20), (0, 1)], 48) == [Group(0, (Chunk(0, 20), Chunk(1, 20)))]
+    assert schedule([], 48) == []
+
+
+def test_schedule_cuts_a_long_prompt_to_what_is_left_and_groups_by_past() -> None:
+    assert schedule([(0, 1024)], 512) == [Group(0, (Chunk(0, 512),))]
+    # a prompt over 512 cached tokens, then one over none, then the rest of a long one
+    assert schedule([(512, 32), (0, 40), (512, 30), (300, 1000)], 512) == [
+        Group(512, (Chunk(0, 32), Chunk(2, 30))),
+        Group(0, (Chunk(1, 40),)),
+        Group(300, (Chunk(3, 408),)),
+    ]
+    # a padded group leaves a smaller chunk: 3 rows x 12 of the 48
+    assert schedule([(0, 12), (0, 12), (0, 100)], 48) == [
+        Group(0, (Chunk(0, 12), Chunk(1, 12), Chunk(2, 16)))
+    ]
+    assert schedule([(0, 12), (0, 12), (0, 12), (0, 100)], 40) == [
+        Group(0, (Chunk(0, 12), Chunk(1, 12), Chunk(2, 12)))
+    ]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(1, 80)), min_size=1, max_size=12), st.integers(1, 100)
+)
+def test_schedule_stays_within_the_budget_and_always_moves(line: list[tuple[int, int]], budget: int) -> None:
+    groups = schedule(line, budget)
+    assert sum(g.cost for g in groups) <= budget
+    taken = sorted(c.index for g in groups for c in g.chunks)
+    assert taken == list(range(len(taken))) and taken, "not the head of the line, or nothing"
+    for g in groups:
+        for c in g.chunks:
+            assert line[c.index][0] == g.past and 1 <= c.num_tokens <= line[c.index][1]
+    cut = [c for g in groups for c in g.chunks if c.num_tokens < line[c.index][1]]
+    assert len(cut) <= 1 and (not cut or cut[0].index == taken[-1])
+
+
+def test_schedule_refuses_a_bad_budget() -> None:
+    with pytest.raises(ValueError, match="budget"):
+        schedule([(0, 1)], 0)

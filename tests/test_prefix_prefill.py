@@ -1,0 +1,165 @@
+"""The prefill engine with its prefix cache and chunked prefill: the first token and the whole KV it
+parks are those of a prompt run alone (greedy continuations from that KV equal ``model.generate``),
+on every preset, for prefixes ending mid-block, fully cached prompts, batches of rows with different
+cached lengths, resumed requests and evictions under pressure; and a short prompt behind a long one
+gets its first token between the long one's chunks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from pdserve.config import EngineConfig
+from pdserve.core.sampling import SamplingParams
+from pdserve.kv.layout import unpack
+from pdserve.model.engine_model import EngineModel, load_engine_model
+from prefill_service.engine import PrefillEngine, PrefillResult
+from prefill_service.prefix_cache import PrefixCache, reuse_problem
+from tests.test_equivalence import reference_tokens
+
+PRESETS = ["tiny-llama", "tiny-moe", "tiny-mla-moe", "tiny-deepseek-moe"]
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def models(cache_dir: Path) -> Iterator[dict[str, EngineModel]]:
+    loaded: dict[str, EngineModel] = {}
+
+    def get(name: str) -> EngineModel:
+        if name not in loaded:
+            loaded[name] = load_engine_model(EngineConfig(model=name, cache_dir=str(cache_dir)))
+        return loaded[name]
+
+    yield _Lazy(get)  # type: ignore[misc]
+
+
+class _Lazy(dict[str, EngineModel]):
+    def __init__(self, get: Any) -> None:
+        super().__init__()
+        self._get = get
+
+    def __missing__(self, name: str) -> EngineModel:
+        model: EngineModel = self._get(name)
+        return model
+
+
+def continuation(m: EngineModel, prompt: Sequence[int], result: PrefillResult, n: int) -> list[int]:
+    """The first token, then greedy tokens decoded over the KV the prefill packed."""
+    assert result.kv is not None and result.num_tokens == len(prompt)
+    cache = DynamicCache(config=m.model.config)
+    for i, (k, v) in enumerate(unpack(result.kv.tensor, m.kv_layout, len(prompt))):
+        cache.update(k[None].clone(), v[None].clone(), i)
+    tokens = [result.first_token_id]
+    with torch.no_grad():
+        for _ in range(n - 1):
+            out = m.model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+def random_prompt(m: EngineModel, n: int, seed: int) -> list[int]:
+    return torch.randint(3, m.limits.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_prefix_cache_is_exact(models: dict[str, EngineModel], preset: str) -> None:
+    m = models[preset]
+    assert reuse_problem(m.model) is None
+    evicted: list[int] = []
+    cache = PrefixCache(
+        4, 40, m.kv_layout, m.device, on_evict=evicted.append
+    )  # 10 blocks: the prompts below overflow it
+    engine = PrefillEngine(m, m.device, max_batch_tokens=24, prefix_cache=cache)
+    base = random_prompt(m, 21, 1)
+    own = random_prompt(m, 30, 2)
+
+    async def run_all() -> list[tuple[list[int], int, PrefillResult]]:
+        done = []
+        for prompt, num_generated in [
+            (base, 0),  # nothing cached: its 5 blocks are
+            ([*base[:13], *own[:3]], 0),  # a prefix ending mid-block: 3 blocks
+            (base, 0),  # fully cached but its last token: 5 blocks
+            ([*base, *reference_tokens(m.model, base, 2)], 2),  # resumed
+        ]:
+            done.append((prompt, num_generated, await engine.run(prompt, GREEDY, num_generated)))
+        together = [[*base[:8], *own[:3]], [*base[:12], *own[3:5]], own[:7], [*base[:4], *own]]
+        results = await asyncio.gather(*(engine.run(p, GREEDY) for p in together))
+        done += [(p, 0, r) for p, r in zip(together, results, strict=True)]
+        return done
+
+    try:
+        done = asyncio.run(run_all())
+        complete = asyncio.run(engine.run(base, SamplingParams(max_tokens=1, temperature=0.0)))
+    finally:
+        engine.close()
+    assert [r.cached_tokens for _, _, r in done] == [0, 12, 20, 20, 8, 12, 0, 4]
+    for prompt, num_generated, result in done:
+        expected = reference_tokens(m.model, prompt, 4 - num_generated)
+        assert continuation(m, prompt, result, 4 - num_generated) == expected, (prompt, result.cached_tokens)
+    assert complete.kv is None and complete.finish_reason == "length"
+    assert complete.first_token_id == reference_tokens(m.model, base, 1)[0]
+    assert evicted and cache.num_tokens <= 40 and cache.num_referenced_blocks == 0
+    assert engine.num_waiting == 0 and engine.num_running == 0
+
+
+def test_kv_with_the_cache_is_the_kv_without_it(models: dict[str, EngineModel]) -> None:
+    m = models["tiny-llama"]
+    prompts = [random_prompt(m, 40, 5)]
+    prompts.append([*prompts[0][:33], *random_prompt(m, 5, 6)])
+    plain = PrefillEngine(m, m.device)
+    cached = PrefillEngine(m, m.device, prefix_cache=PrefixCache(16, 1024, m.kv_layout, m.device))
+
+    async def run(engine: PrefillEngine) -> list[PrefillResult]:
+        return [await engine.run(p, GREEDY) for p in prompts]
+
+    try:
+        without, with_cache = asyncio.run(run(plain)), asyncio.run(run(cached))
+    finally:
+        plain.close()
+        cached.close()
+    assert [r.cached_tokens for r in with_cache] == [0, 32]
+    for a, b in zip(without, with_cache, strict=True):
+        assert a.first_token_id == b.first_token_id and a.kv is not None and b.kv is not None
+        assert torch.allclose(a.kv.tensor.view(torch.float32), b.kv.tensor.view(torch.float32), atol=1e-5)
+
+
+def test_a_long_prompt_runs_in_chunks_and_a_short_one_between_them(models: dict[str, EngineModel]) -> None:
+    m = models["tiny-llama"]
+    long, short = random_prompt(m, 700, 7), random_prompt(m, 10, 8)
+    chunked = PrefillEngine(m, m.device, max_batch_tokens=64)
+    whole = PrefillEngine(m, m.device, max_batch_tokens=1024)
+
+    async def race() -> tuple[list[str], PrefillResult, PrefillResult]:
+        order: list[str] = []
+
+        async def one(name: str, prompt: list[int]) -> PrefillResult:
+            result = await chunked.run(prompt, GREEDY)
+            order.append(name)
+            return result
+
+        first = asyncio.ensure_future(one("long", long))
+        await asyncio.sleep(0.01)  # the long prompt is in its chunks
+        second = await one("short", short)
+        return order, await first, second
+
+    try:
+        order, long_result, short_result = asyncio.run(race())
+        unchunked = asyncio.run(whole.run(long, GREEDY))
+    finally:
+        chunked.close()
+        whole.close()
+    assert order == ["short", "long"], "the short prompt waited for the whole long one"
+    assert short_result.forward_seconds < long_result.forward_seconds
+    assert continuation(m, long, long_result, 4) == reference_tokens(m.model, long, 4)
+    assert continuation(m, short, short_result, 4) == reference_tokens(m.model, short, 4)
+    assert long_result.first_token_id == unchunked.first_token_id
+    assert long_result.kv is not None and unchunked.kv is not None
+    assert torch.allclose(
+        long_result.kv.tensor.view(torch.float32), unchunked.kv.tensor.view(torch.float32), atol=1e-4
+    )

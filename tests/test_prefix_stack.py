@@ -1,0 +1,115 @@
+"""The prefix cache and chunked prefill through a real stack: outputs equal ``model.generate`` token
+for token while prompts share prefixes, run in chunks and evict each other, and the prefill's
+metrics count the cached tokens. The cache is on by default; ``--no-prefix-cache`` turns it off."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pdserve.config import EngineConfig, PrefillConfig
+from pdserve.model.engine_model import load_engine_model
+from prefill_service.metrics import PrefillMetrics
+from prefill_service.server import build_prefix_cache
+from tests.conftest import StackPool, assert_no_leaks
+from tests.grpc_client import generate, make_request, run
+from tests.stack import Stack, scrape
+from tests.test_equivalence import reference_tokens
+
+MODEL = "tiny-llama"
+BLOCK = 8
+CAPACITY = 64  # 8 blocks
+ARGS = ["--prefix-block-size", str(BLOCK), "--prefix-cache-tokens", str(CAPACITY), "--max-batch-tokens", "48"]
+
+
+@pytest.fixture(scope="module")
+def stack(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    started = Stack(MODEL, cache_dir, tmp_path_factory.mktemp("prefix-logs"), prefill_args=ARGS).start()
+    yield started
+    started.stop()
+
+
+def prefill_metrics(stack: Stack) -> dict[str, float]:
+    return scrape(stack.prefills[0].metrics)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_shared_prefixes_hit_and_stay_exact(stack: Stack, reference_models: Any) -> None:
+    model, _ = reference_models(MODEL)
+    system = prompt(1, 30)  # 3 full blocks, and 6 tokens more
+    before = prefill_metrics(stack)
+    prompts = [[*system, *prompt(10 + i, 5)] for i in range(3)]
+    for p in prompts:
+        result = run(stack.address, make_request(prompt_token_ids=p, max_tokens=6, temperature=0.0))
+        assert result.token_ids == reference_tokens(model, p, 6)
+    whole = run(stack.address, make_request(prompt_token_ids=prompts[0], max_tokens=1, temperature=0.0))
+    assert whole.token_ids == reference_tokens(model, prompts[0], 1)
+    after = prefill_metrics(stack)
+    queries = (
+        after["pdserve_prefill_prefix_cache_queries_total"]
+        - before["pdserve_prefill_prefix_cache_queries_total"]
+    )
+    hits = (
+        after["pdserve_prefill_prefix_cache_hits_total"] - before["pdserve_prefill_prefix_cache_hits_total"]
+    )
+    assert queries == 4 * 35
+    assert hits == 24 + 24 + 32  # the first caches the prefix; the last reads all but its last token
+    cached = after["pdserve_prefill_cached_tokens_count"] - before["pdserve_prefill_cached_tokens_count"]
+    assert cached == 4
+    assert after["pdserve_prefill_prefix_cache_capacity_tokens"] == CAPACITY
+    assert 0 < after["pdserve_prefill_prefix_cache_tokens"] <= CAPACITY
+    assert_no_leaks(stack)
+
+
+def test_chunked_prompts_and_evictions_stay_exact(stack: Stack, reference_models: Any) -> None:
+    """Prompts longer than the budget (48) arrive together with short ones sharing their starts;
+    their blocks overflow the 64-token cache."""
+    model, _ = reference_models(MODEL)
+    long = prompt(2, 100)
+    prompts = [long, [*long[:20], *prompt(3, 4)], prompt(4, 90), [*long[:50], *prompt(5, 3)], prompt(6, 7)]
+
+    async def run_all() -> list[list[int]]:
+        requests = [make_request(prompt_token_ids=p, max_tokens=5, temperature=0.0) for p in prompts]
+        return [r.token_ids for r in await asyncio.gather(*(generate(stack.address, q) for q in requests))]
+
+    before = prefill_metrics(stack)
+    assert asyncio.run(run_all()) == [reference_tokens(model, p, 5) for p in prompts]
+    again = [*long[:50], *prompt(7, 2)]  # after the evictions, whatever is left of the long prompt
+    result = run(stack.address, make_request(prompt_token_ids=again, max_tokens=5, temperature=0.0))
+    assert result.token_ids == reference_tokens(model, again, 5)
+    after = prefill_metrics(stack)
+    evicted = "pdserve_prefill_prefix_cache_evicted_tokens_total"
+    assert after[evicted] > before[evicted], "the prompts did not overflow the cache"
+    assert after["pdserve_prefill_prefix_cache_tokens"] <= CAPACITY
+    assert_no_leaks(stack)
+
+
+def test_the_cache_is_on_by_default(stack_pool: StackPool) -> None:
+    metrics = scrape(stack_pool.get(MODEL).prefills[0].metrics)
+    assert metrics["pdserve_prefill_prefix_cache_capacity_tokens"] > 100_000
+
+
+def test_no_prefix_cache_turns_it_off(cache_dir: Path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    m = load_engine_model(EngineConfig(model=MODEL, cache_dir=str(cache_dir)))
+    metrics = PrefillMetrics(CollectorRegistry())
+    for config in (PrefillConfig(no_prefix_cache=True), PrefillConfig(prefix_cache_tokens=0)):
+        assert build_prefix_cache(config, m, metrics) is None
+    cache = build_prefix_cache(PrefillConfig(prefix_block_size=4), m, metrics)
+    assert cache is not None and cache.block_size == 4
+    assert cache.capacity_tokens == min(4 << 30, _memory() // 16) // m.kv_layout.bytes_per_token() // 4 * 4
+
+
+def _memory() -> int:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
