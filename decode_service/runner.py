@@ -49,11 +49,14 @@ class StepRunner:
     def run(self, rows: Sequence[DecodeSequence]) -> StepOutput:
         ordered = self._arrange(rows)
         logits = self._forward(ordered)
-        tokens = self._sample(logits, ordered)
         counts = [seq.params.logprobs for seq in ordered]
-        if all(count is None for count in counts):
+        wanted = any(count is not None for count in counts)
+        masked = any(seq.grammar is not None for seq in ordered)
+        raw = logits.clone() if wanted and masked else logits  # logprobs are the model's, unmasked
+        tokens = self._sample(logits, ordered)
+        if not wanted:
             return StepOutput(ordered, tokens)
-        return StepOutput(ordered, tokens, rows_logprobs(logits, tokens, counts))
+        return StepOutput(ordered, tokens, rows_logprobs(raw, tokens, counts))
 
     def clear(self) -> None:
         """Forgets the rows of the batch context (nothing runs, or other rows will)."""

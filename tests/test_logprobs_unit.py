@@ -99,9 +99,10 @@ def test_sampling_proto_keeps_unset_and_zero_apart() -> None:
 
 
 def test_prefill_keeps_positions_only_for_requests_that_ask(cache_dir: Path) -> None:
-    """Three prompts of different lengths arrive together: the one asking for prompt logprobs runs
-    in a forward of its own and gets its prompt's; the other two share a left-padded forward, and
-    each gets the first token's logprobs only when it asks; all equal a lone reference forward."""
+    """Three prompts of different lengths arrive together and share one left-padded forward: the one
+    asking for prompt logprobs gets its prompt's (the forward keeps the positions of the longest row
+    that asks), each gets the first token's logprobs only when it asks, and all equal a lone
+    reference forward."""
     m = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir)))
     engine = PrefillEngine(m, m.device, max_batch_tokens=100_000)
     generator = torch.Generator().manual_seed(9)
@@ -125,7 +126,7 @@ def test_prefill_keeps_positions_only_for_requests_that_ask(cache_dir: Path) -> 
         a, b, c = asyncio.run(run_all())
     finally:
         engine.close()
-    assert [r.batch_size for r in (a, b, c)] == [1, 2, 2]
+    assert [r.batch_size for r in (a, b, c)] == [3, 3, 3]
     with torch.no_grad():
         refs = [torch.log_softmax(m.model(torch.tensor([p])).logits[0].float(), dim=-1) for p in prompts]
     assert b.logprobs is None and b.prompt_logprobs == ()
