@@ -25,6 +25,7 @@ from pdserve.config.checks import (
     check_port,
     check_positive,
 )
+from pdserve.config.compile_setting import compile_setting
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -68,9 +69,16 @@ class UpConfig:
         metadata={"help": "expert-parallel ranks (processes) of each prefill (colocated: of each service)"},
     )
     decode_ep: int = field(default=1, metadata={"help": "expert-parallel ranks (processes) of each decode"})
-    compile: bool = field(
-        default=False,
-        metadata={"help": "engines run their forwards through torch.compile (compiled at start-up)"},
+    compile: str = field(
+        default="auto",
+        metadata={
+            "help": "engines run their forwards through torch.compile (compiled at start-up, cached under "
+            "the cache dir): auto (where it measured faster), true (bare --compile) or false",
+            "bare": "true",
+        },
+    )
+    enforce_eager: bool = field(
+        default=False, metadata={"help": "engines never compile (same as --compile false)"}
     )
     max_restarts: int = field(
         default=5, metadata={"help": "give up when one child dies more often than this within the window"}
@@ -124,6 +132,9 @@ class UpConfig:
             raise ValueError("host must not be empty")
         check_port("port", self.port)
         check_port("http_port", self.http_port, off=-1)
+        object.__setattr__(self, "compile", compile_setting(self.compile))
+        if self.enforce_eager and self.compile == "true":
+            raise ValueError("compile=true and enforce_eager contradict each other: choose one")
         check_device("device", self.device)
         check_choice("kv_backend", self.kv_backend, BACKENDS)
         if (self.prefill_devices or self.decode_devices) and self.device == "cpu":
@@ -206,8 +217,10 @@ def service_command(config: UpConfig, spec: LaunchSpec) -> list[str]:
         if len(devices) > 1:
             command += ["--ep-devices", ",".join(devices)]
         command += ["--kv-backend", config.kv_backend]
-        if config.compile:
-            command += ["--compile", "true"]
+        if config.compile != "auto":
+            command += ["--compile", config.compile]
+        if config.enforce_eager:
+            command += ["--enforce-eager", "true"]
     if spec.role in (PREFILL, COLOCATED):
         command += ["--kv-port", str(spec.kv_port)]
     if spec.role == COLOCATED:
