@@ -19,18 +19,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 CACHE_SUBDIR = "torch-compile"
+REASON_CHARS = 300
 
 
 def use_compile_cache(cache_root: Path) -> Path:
     """Points torch's compile caches at ``cache_root/torch-compile`` unless ``TORCHINDUCTOR_CACHE_DIR``
     is set; returns the directory in use. Call before the first compilation of the process."""
     configured = os.environ.get(INDUCTOR_CACHE_ENV)
-    if configured:
+    # torch sets the variable itself (to its default, under /tmp) the first time it looks it up.
+    if configured and os.path.abspath(configured) != os.path.abspath(default_cache_dir()):
         return Path(configured)
     directory = cache_root / CACHE_SUBDIR
     directory.mkdir(parents=True, exist_ok=True)
@@ -87,7 +90,7 @@ def warm_up_or_fall_back(
     except passthrough:
         raise
     except Exception as exc:  # whatever the compiler raised: the service starts eager instead
-        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:REASON_CHARS]}"
         logger.warning("compiling the forwards failed (%s); they run eagerly", reason)
         logger.debug("compilation failure", exc_info=True)
         forward.fall_back(reason)
