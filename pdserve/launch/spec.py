@@ -89,8 +89,11 @@ class UpConfig:
     )
     restart_backoff_max_s: float = field(default=30.0, metadata={"help": "cap of the restart delay"})
     startup_timeout_s: float = field(
-        default=300.0,
-        metadata={"help": "bound on startup until every service is SERVING (first model conversion ~1 min)"},
+        default=600.0,
+        metadata={
+            "help": "bound on startup until every service is SERVING (first model conversion ~1 min; "
+            "a first compilation, cached after, some minutes on a small CPU)"
+        },
     )
     shutdown_timeout_s: float = field(
         default=15.0, metadata={"help": "on SIGINT/SIGTERM, time the children get before SIGKILL"}
