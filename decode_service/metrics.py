@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.model.compile import CompiledFrames
+from pdserve.model.compile import CompileCacheLookups, CompiledFrames
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -113,6 +113,7 @@ class DecodeMetrics:
             "pdserve_kv_refused", "KV handles refused as incompatible", registry=registry
         )
         self.compiles = CompiledFrames("pdserve_decode_compiles", registry)
+        self.compile_cache = CompileCacheLookups("pdserve_decode_compile_cache_lookups", registry)
         self.warmup_seconds = Gauge(
             "pdserve_decode_warmup_seconds",
             "Duration of the start-up warm-up of the compiled forwards (0: none ran)",

@@ -52,7 +52,7 @@ class DecodeParts:
     def warm_up(self) -> None:
         """Compiled forwards (``--compile``): runs steps of dummy sequences; nothing otherwise."""
         if self.engine_model.compiled:
-            self.metrics.warmup_seconds.set(self.engine.warm_up())
+            self.metrics.warmup_seconds.set(self.engine_model.warm_up(self.engine.warm_up))
 
     async def close(self) -> None:
         await asyncio.to_thread(self.engine.stop)

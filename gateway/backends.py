@@ -71,6 +71,8 @@ class Backend(Generic[StubT]):
 
 
 Connect = Callable[[str], Backend[StubT]]
+# Takes one of the serving backends (in rotated order) offered for a request.
+Chooser = Callable[[Sequence[Backend[StubT]]], Backend[StubT]]
 
 
 class BackendPool(Generic[StubT]):
@@ -169,13 +171,16 @@ class BackendPool(Generic[StubT]):
         for listener in self._closed_listeners:
             listener(backend)
 
-    async def pick(self, avoid: Collection[Backend[StubT]] = ()) -> Backend[StubT]:
-        """A serving backend with the least outstanding requests; raises RpcError(UNAVAILABLE)."""
+    async def pick(
+        self, avoid: Collection[Backend[StubT]] = (), choose: Chooser[StubT] | None = None
+    ) -> Backend[StubT]:
+        """A serving backend with the least outstanding requests (or the one ``choose`` takes of the
+        serving ones); raises RpcError(UNAVAILABLE)."""
         self.start()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._pick_wait_s
         while True:
-            backend = self.pick_now(avoid)
+            backend = self.pick_now(avoid, choose)
             if backend is not None:
                 return backend
             remaining = deadline - loop.time()
@@ -189,11 +194,15 @@ class BackendPool(Generic[StubT]):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), remaining)
 
-    def pick_now(self, avoid: Collection[Backend[StubT]] = ()) -> Backend[StubT] | None:
+    def pick_now(
+        self, avoid: Collection[Backend[StubT]] = (), choose: Chooser[StubT] | None = None
+    ) -> Backend[StubT] | None:
         """``pick`` without waiting: None when no backend is serving now."""
         serving = [b for b in self._rotated() if b.health.serving]
         preferred = [b for b in serving if b not in avoid] or serving
-        return min(preferred, key=lambda b: b.outstanding) if preferred else None
+        if not preferred:
+            return None
+        return choose(preferred) if choose is not None else min(preferred, key=lambda b: b.outstanding)
 
     def _rotated(self) -> list[Backend[StubT]]:
         if not self._backends:

@@ -25,6 +25,14 @@ class GatewayMetrics:
             "pdserve_gateway_cancelled", "Requests cancelled by the client", registry=registry
         )
         self.decode_calls = Counter("pdserve_gateway_decode_calls", "Decode calls made", registry=registry)
+        self.prefill_routes = Counter(
+            "pdserve_gateway_prefill_routes",
+            "Prefill choices of the prefix router, by outcome (prefix: the replica holding the longest "
+            "prefix; balanced: the least loaded one instead, the match being overloaded; least-load: no "
+            "match)",
+            ["outcome"],
+            registry=registry,
+        )
         self.kv_releases = Counter(
             "pdserve_gateway_kv_releases", "KV handles released on the prefill", registry=registry
         )

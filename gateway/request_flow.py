@@ -62,10 +62,11 @@ from typing import Any, TypeVar
 import grpc
 
 from gateway.backend_health import BackendHealth
-from gateway.backends import Backend, BackendPool
+from gateway.backends import Backend, BackendPool, Chooser
 from gateway.choice_streams import choice_answers, choices_params, merged
 from gateway.decode_mux import DecodeFailure, DecodeMux, MuxedRequest
 from gateway.metrics import GatewayMetrics
+from gateway.prefix_router import PrefixRouter
 from gateway.prompt_input import PromptInput
 from gateway.request_metrics import RequestTimer
 from gateway.text_stream import TextChunk, TextStream
@@ -234,8 +235,10 @@ class RequestFlow:
         prefills: BackendPool[prefill_pb2_grpc.PrefillStub],
         decodes: BackendPool[decode_pb2_grpc.DecodeStub],
         metrics: GatewayMetrics,
+        prefill_router: PrefixRouter | None = None,
     ) -> None:
         self._prompts = prompts
+        self._prefill_router = prefill_router
         self._tokenizer = tokenizer
         self._prefills = prefills
         self._decodes = decodes
@@ -249,6 +252,8 @@ class RequestFlow:
             metrics.backends.labels(role).set_function(pool_size(pool))
             metrics.backends_retired.labels(role).set_function(pool_size(pool, retired=True))
         decodes.on_closed(self._forget_decode)
+        if prefill_router is not None:
+            prefills.on_closed(lambda backend: prefill_router.forget(backend.address))
 
     async def generate(
         self, request: gateway_pb2.GenerateRequest, params: SamplingParams, deadline: float | None = None
@@ -410,9 +415,15 @@ class RequestFlow:
         else:
             self._release_later(parked)
 
-    async def _pick(self, pool: BackendPool[T], avoid: Collection[Backend[T]], delivered: int) -> Backend[T]:
+    async def _pick(
+        self,
+        pool: BackendPool[T],
+        avoid: Collection[Backend[T]],
+        delivered: int,
+        choose: Chooser[T] | None = None,
+    ) -> Backend[T]:
         try:
-            return await pool.pick(avoid)
+            return await pool.pick(avoid, choose)
         except RpcError as exc:
             if delivered:
                 raise RpcError(exc.code, f"{exc.message}; {delivered} tokens were delivered") from None
@@ -431,7 +442,7 @@ class RequestFlow:
         when there is none, the request is shed."""
         failed = list(avoid)
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            prefill = await self._pick(self._prefills, failed, delivered)
+            prefill = await self._pick(self._prefills, failed, delivered, self._prefill_chooser(request))
             timeout = deadline.remaining(delivered)
             prefill.outstanding += 1
             sent_at = timer.now()
@@ -459,6 +470,21 @@ class RequestFlow:
             logger.warning("request %s: %s; running it again", request.request_id, failure)
             self._metrics.retries.labels("prefill").inc()
         raise AssertionError("unreachable")
+
+    def _prefill_chooser(
+        self, request: prefill_pb2.PrefillRequest
+    ) -> Chooser[prefill_pb2_grpc.PrefillStub] | None:
+        """The prefix router's choice for ``request`` (None: the least loaded prefill)."""
+        router = self._prefill_router
+        if router is None:
+            return None
+
+        def choose(serving: Sequence[PrefillBackend]) -> PrefillBackend:
+            chosen, routed = router.choose(request.prompt_token_ids, serving)
+            self._metrics.prefill_routes.labels(routed.outcome).inc()
+            return chosen
+
+        return choose
 
     def _start(
         self,

@@ -23,6 +23,7 @@ from gateway.http_api import OpenAIApi
 from gateway.http_server import HttpServer
 from gateway.input_limits import InputLimits
 from gateway.metrics import GatewayMetrics
+from gateway.prefix_router import PrefixRouter
 from gateway.prompt_input import PromptInput
 from gateway.request_flow import RequestFlow
 from gateway.servicer import GatewayServicer
@@ -65,7 +66,8 @@ async def serve(config: GatewayConfig, resolver: Resolver = resolve_dns) -> None
     ]
     tokenizing = ThreadPoolExecutor(config.limits.tokenizer_threads, thread_name_prefix="tokenizer")
     prompts = PromptInput(tokenizer, limits, tokenizing)
-    flow = RequestFlow(prompts, tokenizer, prefills, decodes, metrics)
+    router = PrefixRouter(config.routing) if config.routing.prefill_routing == "prefix" else None
+    flow = RequestFlow(prompts, tokenizer, prefills, decodes, metrics, router)
     inputs = InputLimits(config.limits)
     admission = Admission(config.limits.max_in_flight, config.limits.retry_after_s, metrics)
     api = OpenAIApi(

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.model.compile import CompiledFrames
+from pdserve.model.compile import CompileCacheLookups, CompiledFrames
 
 QUEUE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -178,6 +178,7 @@ class PrefillMetrics:
             registry=registry,
         )
         self.compiles = CompiledFrames("pdserve_prefill_compiles", registry)
+        self.compile_cache = CompileCacheLookups("pdserve_prefill_compile_cache_lookups", registry)
         self.warmup_seconds = Gauge(
             "pdserve_prefill_warmup_seconds",
             "Duration of the start-up warm-up of the compiled forwards (0: none ran)",

@@ -148,7 +148,7 @@ class PrefillParts:
     def warm_up(self) -> None:
         """Compiled forwards (``--compile``): runs them once on dummy prompts; nothing otherwise."""
         if self.engine_model.compiled:
-            self.metrics.warmup_seconds.set(self.engine.warm_up())
+            self.metrics.warmup_seconds.set(self.engine_model.warm_up(self.engine.warm_up))
 
     def close(self) -> None:
         self.sender.close()

@@ -1,37 +1,62 @@
 #!/usr/bin/env bash
-# Measures pdserve against its peers (shared/PEERS.md) on the reference workload, in one run:
-# vLLM's CPU build, `transformers serve` with continuous batching, and pdserve (disaggregated, and
-# colocated when `pdserve up` has --mode), one system at a time, each with one compute thread per
-# engine process. pdserve runs with --compile (vLLM compiles its model too); pdserve-eager is the
-# disaggregated stack without it. Everything the peers need (venvs, caches, the reference model, logs, results)
-# lives in a scratch folder outside the repo; servers bind 127.0.0.1.
+# Measures pdserve against its peers (shared/PEERS.md) in one run: vLLM's CPU build, `transformers
+# serve` with continuous batching, and pdserve (disaggregated, and colocated when `pdserve up` has
+# --mode), one system at a time, each with one compute thread per engine process, on the workloads
+# of WORKLOADS: reference (the burst of PEERS.md), shared-prefix and mixed (PEERS.md's two more;
+# token-id prompts, so transformers serve, which takes text only, runs the reference alone).
+# pdserve runs with no performance flags (its defaults); pdserve-eager is the same with
+# --enforce-eager; pdserve-2p-prefix and pdserve-2p-least-load run 2 prefill replicas with the
+# gateway's prefix-aware and least-load routing, on the shared-prefix workload only. Each server
+# starts once and serves every workload in turn. Everything the peers need (venvs, caches, the
+# reference model, logs, results) lives in a scratch folder outside the repo; servers bind 127.0.0.1.
 #
 #   scripts/bench_peers.sh                      # set up what is missing, measure all, print a table
-#   SYSTEMS="vllm pdserve" scripts/bench_peers.sh
+#   SYSTEMS="vllm pdserve" WORKLOADS=mixed scripts/bench_peers.sh
 #
 # Settings (environment): PEERS_DIR (/tmp/pdserve-peers), SYSTEMS (vllm transformers pdserve
-# pdserve-colocated; also pdserve-eager), NUM_PROMPTS (32), CONCURRENCY (32), INPUT_LEN (64), OUTPUT_LEN (64),
-# VLLM_PORT (18000), TSERVE_PORT (18001), READY_TIMEOUT_S (300).
-# Results: $PEERS_DIR/results/RUN/SYSTEM.json (pdserve bench --json) and RUN/table.md.
+# pdserve-colocated pdserve-2p-prefix pdserve-2p-least-load; also pdserve-eager), WORKLOADS
+# (reference shared-prefix mixed);
+# reference: NUM_PROMPTS (32), CONCURRENCY (32), INPUT_LEN (64), OUTPUT_LEN (64);
+# shared-prefix: PREFIX_LEN (1024), SUFFIX_LEN (32), PREFIX_OUTPUT_LEN (32), PREFIX_REQUESTS (64),
+# PREFIX_CONCURRENCY (16); mixed: MIXED_DURATION_S (40), MIXED_STREAMS (16), MIXED_INPUT_LEN (64),
+# MIXED_OUTPUT_LEN (128), LONG_INPUT_LEN (1024), LONG_OUTPUT_LEN (8);
+# VLLM_PORT (18000), TSERVE_PORT (18001), PDSERVE_HTTP_PORT (18002), VLLM_MAX_MODEL_LEN (2048),
+# READY_TIMEOUT_S (600: a cold pdserve compiles at start-up).
+# Results: $PEERS_DIR/results/RUN/WORKLOAD/SYSTEM.json (pdserve bench --json) and RUN/table.md.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PEERS_DIR=${PEERS_DIR:-/tmp/pdserve-peers}
-SYSTEMS=${SYSTEMS:-"vllm transformers pdserve pdserve-colocated"}
+SYSTEMS=${SYSTEMS:-"vllm transformers pdserve pdserve-colocated pdserve-2p-prefix pdserve-2p-least-load"}
+WORKLOADS=${WORKLOADS:-"reference shared-prefix mixed"}
 NUM_PROMPTS=${NUM_PROMPTS:-32}
 CONCURRENCY=${CONCURRENCY:-32}
 INPUT_LEN=${INPUT_LEN:-64}
 OUTPUT_LEN=${OUTPUT_LEN:-64}
+PREFIX_LEN=${PREFIX_LEN:-1024}
+SUFFIX_LEN=${SUFFIX_LEN:-32}
+PREFIX_OUTPUT_LEN=${PREFIX_OUTPUT_LEN:-32}
+PREFIX_REQUESTS=${PREFIX_REQUESTS:-64}
+PREFIX_CONCURRENCY=${PREFIX_CONCURRENCY:-16}
+MIXED_DURATION_S=${MIXED_DURATION_S:-40}
+MIXED_STREAMS=${MIXED_STREAMS:-16}
+MIXED_INPUT_LEN=${MIXED_INPUT_LEN:-64}
+MIXED_OUTPUT_LEN=${MIXED_OUTPUT_LEN:-128}
+LONG_INPUT_LEN=${LONG_INPUT_LEN:-1024}
+LONG_OUTPUT_LEN=${LONG_OUTPUT_LEN:-8}
 VLLM_PORT=${VLLM_PORT:-18000}
 TSERVE_PORT=${TSERVE_PORT:-18001}
-READY_TIMEOUT_S=${READY_TIMEOUT_S:-300}
+PDSERVE_HTTP_PORT=${PDSERVE_HTTP_PORT:-18002}
+VLLM_MAX_MODEL_LEN=${VLLM_MAX_MODEL_LEN:-2048}
+READY_TIMEOUT_S=${READY_TIMEOUT_S:-600}
 PYTHON=${PYTHON:-python3.11}
 
 MODEL_DIR=$PEERS_DIR/reference-model
 RUN=$(date +%Y%m%d-%H%M%S)
 RESULTS=$PEERS_DIR/results/$RUN
 LOGS=$PEERS_DIR/logs
-PDSERVE=$REPO/.venv/bin/pdserve
+PDSERVE=${PDSERVE:-$REPO/.venv/bin/pdserve}
+PDSERVE_PYTHON=${PDSERVE_PYTHON:-$REPO/.venv/bin/python}
 
 mkdir -p "$PEERS_DIR/tmp" "$PEERS_DIR/cache" "$RESULTS" "$LOGS"
 export TMPDIR=$PEERS_DIR/tmp XDG_CACHE_HOME=$PEERS_DIR/cache HF_HOME=$PEERS_DIR/cache/hf
@@ -57,7 +82,7 @@ trap stop_server EXIT
 setup_model() {
     [[ -f $MODEL_DIR/config.json ]] && return
     log "building the reference model into $MODEL_DIR"
-    "$REPO/.venv/bin/python" "$REPO/scripts/make_reference_model.py" "$MODEL_DIR"
+    "$PDSERVE_PYTHON" "$REPO/scripts/make_reference_model.py" "$MODEL_DIR"
 }
 
 setup_vllm() {
@@ -91,7 +116,7 @@ start_vllm() {
         VLLM_CPU_OMP_THREADS_BIND=auto VLLM_CACHE_ROOT="$PEERS_DIR/cache/vllm" \
         TORCHINDUCTOR_CACHE_DIR="$PEERS_DIR/cache/inductor" \
         "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --dtype float32 \
-        --max-model-len 512 --host 127.0.0.1 --port "$VLLM_PORT" >"$LOGS/vllm-$RUN.log" 2>&1 &
+        --max-model-len "$VLLM_MAX_MODEL_LEN" --host 127.0.0.1 --port "$VLLM_PORT" >"$LOGS/vllm-$RUN.log" 2>&1 &
     SERVER_PID=$!
 }
 
@@ -112,25 +137,77 @@ wait_ready() {  # URL: until GET URL/v1/models answers, the server dies, or READ
     done
 }
 
+start_pdserve() {  # MODE [VAR=VALUE ...]: `pdserve up` with its defaults plus those variables
+    local mode=$1
+    shift
+    env "$@" "$PDSERVE" up --model "$MODEL_DIR" --mode "$mode" --port 0 --http-port "$PDSERVE_HTTP_PORT" \
+        --startup-timeout-s "$READY_TIMEOUT_S" >"$LOGS/pdserve-$RUN.out" 2>>"$LOGS/pdserve-$RUN.log" &
+    SERVER_PID=$!
+}
+
 # -- measurement ---------------------------------------------------------------------------------
 
-WORKLOAD=(--num-prompts "$NUM_PROMPTS" --concurrency "$CONCURRENCY" --input-len "$INPUT_LEN"
-    --output-len "$OUTPUT_LEN" --temperature 0 --num-warmup 1 --seed 0)
+workload_args() {  # WORKLOAD: the bench flags of one workload
+    case $1 in
+    reference) echo --num-prompts "$NUM_PROMPTS" --concurrency "$CONCURRENCY" --input-len "$INPUT_LEN" \
+        --output-len "$OUTPUT_LEN" --num-warmup 1 ;;
+    shared-prefix) echo --workload shared-prefix --prefix-len "$PREFIX_LEN" --suffix-len "$SUFFIX_LEN" \
+        --prefix-output-len "$PREFIX_OUTPUT_LEN" --prefix-requests "$PREFIX_REQUESTS" \
+        --prefix-concurrency "$PREFIX_CONCURRENCY" --num-warmup 1 ;;
+    mixed) echo --workload mixed --mixed-duration-s "$MIXED_DURATION_S" --mixed-streams "$MIXED_STREAMS" \
+        --mixed-input-len "$MIXED_INPUT_LEN" --mixed-output-len "$MIXED_OUTPUT_LEN" \
+        --long-input-len "$LONG_INPUT_LEN" --long-output-len "$LONG_OUTPUT_LEN" --num-warmup 1 ;;
+    esac
+}
 
-bench() {  # NAME ARGS...: one measured run, its JSON kept as RESULTS/NAME.json
-    local name=$1
-    shift
-    log "measuring $name"
-    "$PDSERVE" bench "${WORKLOAD[@]}" --output-file "$RESULTS/$name.json" "$@"
+runs_workload() {  # SYSTEM WORKLOAD: whether SYSTEM takes part in WORKLOAD
+    case $1 in
+    transformers) [[ $2 == reference ]] ;;  # text prompts only
+    pdserve-2p-*) [[ $2 == shared-prefix ]] ;;
+    *) true ;;
+    esac
+}
+
+measured=()
+failed=()
+
+bench_all() {  # SYSTEM URL ARGS...: every workload of SYSTEM against the server at URL
+    local system=$1 url=$2 workload status=0
+    shift 2
+    for workload in $WORKLOADS; do
+        runs_workload "$system" "$workload" || continue
+        mkdir -p "$RESULTS/$workload"
+        log "measuring $system on $workload"
+        # shellcheck disable=SC2046  # the workload's flags are words
+        if "$PDSERVE" bench --base-url "$url" $(workload_args "$workload") --temperature 0 --seed 0 \
+            --server-pid "$SERVER_PID" --output-file "$RESULTS/$workload/$system.json" "$@"; then
+            measured+=("$workload/$system=$RESULTS/$workload/$system.json")
+        else
+            log "$system failed on $workload"
+            failed+=("$workload/$system")
+            status=1
+        fi
+    done
+    return $status
+}
+
+wanted() {  # SYSTEM: whether any workload of WORKLOADS is one SYSTEM takes part in
+    local workload
+    for workload in $WORKLOADS; do runs_workload "$1" "$workload" && return 0; done
+    return 1
 }
 
 # Each measure_* returns non-zero on failure (they run where `set -e` does not apply).
 measure_vllm() {
     setup_vllm || return 1
     start_vllm
-    wait_ready "http://127.0.0.1:$VLLM_PORT" &&
-        bench vllm --base-url "http://127.0.0.1:$VLLM_PORT" --ignore-eos --server-pid "$SERVER_PID"
-    local status=$?
+    local status=0
+    if wait_ready "http://127.0.0.1:$VLLM_PORT"; then
+        bench_all vllm "http://127.0.0.1:$VLLM_PORT" --ignore-eos || status=1
+    else
+        failed+=(vllm)
+        status=1
+    fi
     stop_server
     return $status
 }
@@ -138,19 +215,33 @@ measure_vllm() {
 measure_transformers() {
     setup_transformers || return 1
     start_transformers
+    local status=0
     # Its /v1/completions takes text prompts only and refuses unknown fields such as ignore_eos;
     # a per-request generation config with eos_token_id -1 turns EOS off instead.
-    wait_ready "http://127.0.0.1:$TSERVE_PORT" &&
-        bench transformers --base-url "http://127.0.0.1:$TSERVE_PORT" --model "$MODEL_DIR" \
-            --prompt-format text --tokenizer "$MODEL_DIR" --server-pid "$SERVER_PID" \
-            --extra-body '{"generation_config": "{\"eos_token_id\": -1, \"do_sample\": false}"}'
-    local status=$?
+    if wait_ready "http://127.0.0.1:$TSERVE_PORT"; then
+        bench_all transformers "http://127.0.0.1:$TSERVE_PORT" --model "$MODEL_DIR" \
+            --prompt-format text --tokenizer "$MODEL_DIR" \
+            --extra-body '{"generation_config": "{\"eos_token_id\": -1, \"do_sample\": false}"}' || status=1
+    else
+        failed+=(transformers)
+        status=1
+    fi
     stop_server
     return $status
 }
 
-measure_pdserve() {  # NAME MODE COMPILE
-    PDSERVE_COMPILE=$3 bench "$1" --launch "$MODEL_DIR" --mode "$2" --ignore-eos
+measure_pdserve() {  # NAME MODE [VAR=VALUE ...]
+    local name=$1 mode=$2 status=0
+    shift 2
+    start_pdserve "$mode" "$@"
+    if wait_ready "http://127.0.0.1:$PDSERVE_HTTP_PORT"; then
+        bench_all "$name" "http://127.0.0.1:$PDSERVE_HTTP_PORT" --model "$MODEL_DIR" --ignore-eos || status=1
+    else
+        failed+=("$name")
+        status=1
+    fi
+    stop_server
+    return $status
 }
 
 has_mode_flag() {  # argparse would take a bare --mode for --model: look for the flag itself
@@ -161,40 +252,48 @@ measure() {  # SYSTEM
     case $1 in
     vllm) measure_vllm ;;
     transformers) measure_transformers ;;
-    pdserve) measure_pdserve pdserve disaggregated true ;;
-    pdserve-colocated) measure_pdserve pdserve-colocated colocated true ;;
-    pdserve-eager) measure_pdserve pdserve-eager disaggregated false ;;
+    pdserve) measure_pdserve pdserve disaggregated ;;
+    pdserve-colocated) measure_pdserve pdserve-colocated colocated ;;
+    pdserve-eager) measure_pdserve pdserve-eager disaggregated PDSERVE_ENFORCE_EAGER=true ;;
+    pdserve-2p-prefix) measure_pdserve pdserve-2p-prefix disaggregated PDSERVE_PREFILL_REPLICAS=2 \
+        PDSERVE_PREFILL_ROUTING=prefix ;;
+    pdserve-2p-least-load) measure_pdserve pdserve-2p-least-load disaggregated PDSERVE_PREFILL_REPLICAS=2 \
+        PDSERVE_PREFILL_ROUTING=least-load ;;
     esac
 }
 
+KNOWN="vllm transformers pdserve pdserve-colocated pdserve-eager pdserve-2p-prefix pdserve-2p-least-load"
 for system in $SYSTEMS; do
-    case $system in
-    vllm | transformers | pdserve | pdserve-colocated | pdserve-eager) ;;
-    *) log "unknown system $system (known: vllm transformers pdserve pdserve-colocated pdserve-eager)" && exit 2 ;;
+    [[ " $KNOWN " == *" $system "* ]] || { log "unknown system $system (known: $KNOWN)" && exit 2; }
+done
+for workload in $WORKLOADS; do
+    case $workload in
+    reference | shared-prefix | mixed) ;;
+    *) log "unknown workload $workload (known: reference shared-prefix mixed)" && exit 2 ;;
     esac
 done
 
 setup_model
-measured=()
-failed=()
 for system in $SYSTEMS; do
+    wanted "$system" || continue
     if [[ $system == pdserve-colocated ]] && ! has_mode_flag; then
         log "skipping pdserve-colocated: this pdserve up has no --mode"
         continue
     fi
-    if measure "$system"; then
-        measured+=("$system=$RESULTS/$system.json")
-    else
-        log "$system failed"
-        failed+=("$system")
-    fi
+    measure "$system" || log "$system: not every workload was measured"
 done
 ((${#measured[@]})) || { log "nothing was measured"; exit 1; }
 
-baseline=()
-[[ " ${measured[*]} " == *" vllm="* ]] && baseline=(--baseline vllm)
 echo
-echo "Reference workload: $NUM_PROMPTS streams at concurrency $CONCURRENCY, $INPUT_LEN prompt + $OUTPUT_LEN output tokens, greedy, EOS ignored; times in ms; x baseline = output tok/s ratio"
-"$REPO/.venv/bin/python" -m pdserve.bench.compare "${baseline[@]}" "${measured[@]}" | tee "$RESULTS/table.md"
+echo "Workloads (PEERS.md; greedy, EOS ignored, times in ms, x vllm = output tok/s ratio within the workload):"
+[[ " $WORKLOADS " == *" reference "* ]] &&
+    echo "- reference: $NUM_PROMPTS streams at concurrency $CONCURRENCY, $INPUT_LEN prompt + $OUTPUT_LEN output tokens"
+[[ " $WORKLOADS " == *" shared-prefix "* ]] &&
+    echo "- shared-prefix: $PREFIX_REQUESTS requests, $PREFIX_CONCURRENCY in flight, one $PREFIX_LEN-token prefix + $SUFFIX_LEN own tokens, $PREFIX_OUTPUT_LEN output"
+[[ " $WORKLOADS " == *" mixed "* ]] &&
+    echo "- mixed: ${MIXED_DURATION_S} s of $MIXED_STREAMS closed-loop streams ($MIXED_INPUT_LEN in / $MIXED_OUTPUT_LEN out; TTFT/TPOT/ITL are theirs) while $LONG_INPUT_LEN-token prompts with $LONG_OUTPUT_LEN out run one after another (long TTFT)"
+"$PDSERVE_PYTHON" -m pdserve.bench.compare --baseline vllm "${measured[@]}" 2>/dev/null |
+    tee "$RESULTS/table.md" ||
+    "$PDSERVE_PYTHON" -m pdserve.bench.compare "${measured[@]}" | tee "$RESULTS/table.md"
 log "results in $RESULTS"
 ((${#failed[@]} == 0)) || { log "failed: ${failed[*]}"; exit 1; }

@@ -135,6 +135,8 @@ def service_env(cache_dir: Path) -> dict[str, str]:
     env.update(
         PDSERVE_CACHE_DIR=str(cache_dir),
         PDSERVE_INTERNAL_TOKEN=TEST_TOKEN,
+        # Eager forwards unless a test asks for --compile: compiling costs a start-up a minute cold.
+        PDSERVE_COMPILE="false",
         OMP_NUM_THREADS="1",
         HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",

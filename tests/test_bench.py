@@ -20,9 +20,17 @@ from pdserve.bench.compare import table
 from pdserve.bench.config import BenchConfig, parse_slo
 from pdserve.bench.launch import http_base_url, up_command
 from pdserve.bench.metrics import compute_metrics, distribution, meets_slo, tpot_s
+from pdserve.bench.mixed import MixedRun, mixed_result, run_mixed
 from pdserve.bench.openai_client import RequestRecord, build_payload
-from pdserve.bench.runner import Target, new_session, run_requests
-from pdserve.bench.workload import BenchRequest, arrival_offsets, length_range, sample_requests
+from pdserve.bench.runner import Target, new_session, run_requests, send_request
+from pdserve.bench.workload import (
+    BenchRequest,
+    MixedPrompts,
+    arrival_offsets,
+    length_range,
+    sample_requests,
+    shared_prefix_requests,
+)
 from tests.conftest import assert_no_leaks
 from tests.stack import REPO_ROOT, Stack, service_env
 
@@ -205,6 +213,48 @@ def test_compare_table_divides_by_the_baseline() -> None:
         table([("vllm", result(1.0))], baseline="sglang")
 
 
+def test_shared_prefix_requests_share_one_prefix_and_are_seeded() -> None:
+    ids = np.arange(3, 500)
+    warm, requests = shared_prefix_requests(8, 40, 5, 7, 0, ids)
+    assert len(requests) == 8
+    prefix = warm.prompt[:40]
+    for request in [warm, *requests]:
+        assert isinstance(request.prompt, list) and len(request.prompt) == 45
+        assert request.prompt[:40] == prefix and (request.prompt_len, request.max_tokens) == (45, 7)
+        assert all(3 <= i < 500 for i in request.prompt)
+    assert len({tuple(r.prompt[40:]) for r in [warm, *requests]}) == 9  # own tokens differ
+    assert shared_prefix_requests(8, 40, 5, 7, 0, ids) == (warm, requests)
+    assert shared_prefix_requests(8, 40, 5, 7, 1, ids)[0].prompt[:40] != prefix
+
+
+def test_mixed_prompts_depend_on_seed_and_index_only() -> None:
+    ids = np.arange(3, 500)
+    prompts = MixedPrompts(ids, 0, (6, 9), (50, 2))
+    assert prompts.short(3) == MixedPrompts(ids, 0, (6, 9), (50, 2)).short(3)
+    assert prompts.short(3) != prompts.short(4) and prompts.short(3) != MixedPrompts(
+        ids, 1, (6, 9), (50, 2)
+    ).short(3)
+    assert (prompts.short(0).prompt_len, prompts.short(0).max_tokens) == (6, 9)
+    assert (prompts.long(0).prompt_len, prompts.long(0).max_tokens, len(prompts.long(0).prompt)) == (
+        50,
+        2,
+        50,
+    )
+
+
+def test_mixed_result_splits_short_streams_and_long_prompts() -> None:
+    short = [record(0.01, 0.11, 11, itl_s=[0.01] * 10) for _ in range(4)]
+    long = [record(0.5, 0.6, 2, itl_s=[0.1]), record(0.7, 0.8, 2, itl_s=[0.1])]
+    result = mixed_result(MixedRun(short, long, 2.0), {}, None)
+    assert result["completed"] == 6 and result["total_output_tokens"] == 48
+    assert result["output_throughput"] == pytest.approx(24.0)
+    assert result["itl_ms"]["p99"] == pytest.approx(10.0)  # the short streams' only
+    assert result["tpot_ms"]["mean"] == pytest.approx(10.0)
+    assert result["long"]["ttft_ms"]["p50"] == pytest.approx(600.0)
+    assert result["short"]["completed"] == 4 and result["long"]["completed"] == 2
+    assert "long prompts" in result["table"]
+
+
 # -- chunk timing over a real socket -----------------------------------------------------------
 
 FIRST_DELAY_S = 0.3
@@ -269,6 +319,26 @@ def test_chunks_are_timed_and_arrivals_are_kept(paced_server: str) -> None:
         assert rec.generated_text == "abc" and rec.num_chunks == 3 and rec.output_tokens == 4
     assert [r.prompt_len for r in records] == [3, 2]
     assert records[1].start_s - records[0].start_s >= 0.5
+
+
+def test_mixed_loops_are_closed_and_stop_at_the_deadline(paced_server: str) -> None:
+    # Each request takes FIRST_DELAY_S + 2 * GAP_S = 0.5 s: in 0.8 s a loop starts 2 of them.
+    async def run() -> MixedRun:
+        async with new_session(0) as session:
+            target = Target(paced_server, "m", "completions")
+            prompts = MixedPrompts(np.arange(3, 100), 0, (4, 3), (9, 2))
+            return await run_mixed(
+                lambda request: send_request(session, target, request, None), prompts, 3, 0.8
+            )
+
+    run = asyncio.run(run())
+    assert len(run.short) == 6 and len(run.long) == 2
+    assert all(r.success for r in [*run.short, *run.long])
+    assert {r.prompt_len for r in run.long} == {9} and {r.prompt_len for r in run.short} == {4}
+    # One long prompt after another: the second starts once the first ended.
+    first, second = sorted(run.long, key=lambda r: r.start_s)
+    assert second.start_s >= first.start_s + first.latency_s
+    assert 1.0 <= run.duration_s < 1.6
 
 
 # -- a real run against pdserve's HTTP front ---------------------------------------------------
@@ -373,4 +443,36 @@ def test_bench_chat_with_poisson_arrivals(http_stack: Stack, cache_dir: Path) ->
     # Text prompts through the chat template: the server's prompt count includes the template.
     assert all(r["prompt_len"] > 8 for r in result["requests"])
     assert result["good_requests"] == 0 and result["goodput"] == 0.0
+    assert_no_leaks(http_stack)
+
+
+def test_bench_shared_prefix_and_mixed_against_pdserve(http_stack: Stack, cache_dir: Path) -> None:
+    shared = run_bench(
+        http_stack,
+        cache_dir,
+        *("--workload", "shared-prefix", "--prefix-len", "40", "--suffix-len", "4"),
+        *("--prefix-output-len", "3", "--prefix-requests", "6", "--prefix-concurrency", "3", "--ignore-eos"),
+    )
+    assert (shared["completed"], shared["failed"], shared["total_output_tokens"]) == (6, 0, 18)
+    assert [r["prompt_len"] for r in shared["requests"]] == [44] * 6
+    mixed = run_bench(
+        http_stack,
+        cache_dir,
+        *("--workload", "mixed", "--mixed-duration-s", "2", "--mixed-streams", "2", "--ignore-eos"),
+        *(
+            "--mixed-input-len",
+            "8",
+            "--mixed-output-len",
+            "6",
+            "--long-input-len",
+            "60",
+            "--long-output-len",
+            "2",
+        ),
+    )
+    assert mixed["failed"] == 0 and mixed["long"]["completed"] >= 1 and mixed["short"]["completed"] >= 2
+    long_rows = [r for r in mixed["requests"] if r["prompt_len"] == 60]
+    assert len(long_rows) == mixed["long"]["completed"] and all(r["output_tokens"] == 2 for r in long_rows)
+    assert all(r["output_tokens"] == 6 for r in mixed["requests"] if r["prompt_len"] == 8)
+    assert mixed["long"]["ttft_ms"]["p50"] > 0 and mixed["itl_ms"]["p99"] > 0
     assert_no_leaks(http_stack)

@@ -1,5 +1,6 @@
-"""``--compile``: the engines' forwards through torch.compile give the same greedy tokens, and
-every compilation happens in the start-up warm-up, before the services are ready."""
+"""Compiled forwards (``--compile auto``, the default, compiles tiny-llama on CPU): the same greedy
+tokens, every compilation in the start-up warm-up, before the services are ready, and a later
+start loads the compiled code from the cache dir instead of compiling again."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from tests.conftest import assert_no_leaks
 from tests.grpc_client import generate_many, make_request
-from tests.stack import Stack, scrape
+from tests.stack import ServiceProcess, Stack, scrape
 from tests.test_equivalence import divergence_report, reference_tokens
 
 MODEL = "tiny-llama"
@@ -37,8 +38,9 @@ def test_compiled_engines_match_generate(cache_dir: Path, tmp_path: Path, refere
         MODEL,
         cache_dir,
         tmp_path,
-        prefill_args=["--compile"],
-        decode_args=["--compile"],
+        # The tests' services run eager unless asked (PDSERVE_COMPILE=false): auto is the default.
+        prefill_args=["--compile", "auto"],
+        decode_args=["--compile", "auto"],
         ready_timeout_s=420,
     ).start()
     try:
@@ -76,5 +78,30 @@ def test_compiled_engines_match_generate(cache_dir: Path, tmp_path: Path, refere
                 assert result.token_ids == ref, divergence_report(model, prompts[i], ref, result.token_ids)
         assert compiles(stack) == compiled_at_ready
         assert_no_leaks(stack)
+        cold = cache_lookups(prefill_metrics)
+        assert cold["miss"] > 0, cold
+
+        # A second prefill on the same cache dir: the warm-up finds every graph compiled.
+        again = ServiceProcess(
+            "prefill",
+            ["--model", MODEL, "--host", "127.0.0.1", "--compile", "auto"],
+            stack.prefills[0].env,
+            tmp_path / "prefill-warm.log",
+        )
+        again.start()
+        try:
+            again.wait_ready(420)
+            warm = cache_lookups(scrape(again.metrics))
+            assert warm["hit"] > 0 and warm["miss"] == 0, warm
+        finally:
+            again.stop()
     finally:
         stack.stop()
+
+
+def cache_lookups(metrics: dict[str, float]) -> dict[str, float]:
+    """The prefill's lookups of inductor's FX-graph cache, by result."""
+    return {
+        result: metrics[f"pdserve_prefill_compile_cache_lookups_total{{cache=fx_graph,result={result}}}"]
+        for result in ("hit", "miss")
+    }

@@ -283,7 +283,7 @@ def test_service_command() -> None:
     assert "--kv-port" not in decode and "--cache-dir" not in decode
     assert dict(zip(decode[4::2], decode[5::2], strict=True))["--ep"] == "2"
     colocated = launch_spec.service_command(
-        UpConfig(mode="colocated", prefill_ep=2, compile=True), LaunchSpec("colocated")
+        UpConfig(mode="colocated", prefill_ep=2, compile="true"), LaunchSpec("colocated")
     )
     flags = dict(zip(colocated[4::2], colocated[5::2], strict=True))
     assert flags["--ep"] == "2" and flags["--compile"] == "true"

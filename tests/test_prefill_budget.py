@@ -16,7 +16,7 @@ from tests.test_equivalence import reference_tokens
 
 
 def test_waiting_prompts_are_batched_up_to_the_token_budget(cache_dir: Path) -> None:
-    m = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir)))
+    m = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false"))
     engine = PrefillEngine(m, m.device, max_batch_tokens=48)
     generator = torch.Generator().manual_seed(4)
     # A long prompt keeps the engine busy while the others arrive and wait together. Then, in

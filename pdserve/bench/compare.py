@@ -3,7 +3,9 @@
     python -m pdserve.bench.compare [--baseline NAME] NAME=RESULT.json ...
 
 Each row is one system; the ratio column divides its output tok/s by the baseline's (the first
-row unless ``--baseline`` names another).
+row unless ``--baseline`` names another). Rows named ``WORKLOAD/SYSTEM`` are compared within
+their workload: the baseline of ``mixed/pdserve`` is ``mixed/BASELINE`` (or the workload's first
+row). The mixed workload's rows also show the long prompts' TTFT p50.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ COLUMNS = (
     ("TTFT p99", ">"),
     ("TPOT mean", ">"),
     ("ITL p50", ">"),
+    ("ITL p99", ">"),
+    ("long TTFT p50", ">"),
     ("tok/CPU-s", ">"),
 )
 
@@ -38,11 +42,17 @@ def table(results: Sequence[tuple[str, dict[str, Any]]], baseline: str = "") -> 
     if not results:
         raise ValueError("no results to compare")
     names = [name for name, _ in results]
-    if baseline and baseline not in names:
-        raise ValueError(f"baseline {baseline!r} is not one of {', '.join(names)}")
-    base = dict(results)[baseline or names[0]]["output_throughput"]
+    systems = {name.rpartition("/")[2] for name in names}
+    if baseline and baseline not in systems:
+        raise ValueError(f"baseline {baseline!r} is not one of {', '.join(sorted(systems))}")
+    by_name = dict(results)
     rows = []
     for name, result in results:
+        workload = name.rpartition("/")[0]
+        group = [n for n in names if n.rpartition("/")[0] == workload]
+        base_name = f"{workload}/{baseline}" if workload and baseline else baseline
+        base = by_name[base_name if base_name in by_name else group[0]]["output_throughput"]
+        long = result.get("long")
         rows.append(
             [
                 name,
@@ -54,6 +64,8 @@ def table(results: Sequence[tuple[str, dict[str, Any]]], baseline: str = "") -> 
                 _fmt(result["ttft_ms"]["p99"]),
                 _fmt(result["tpot_ms"]["mean"]),
                 _fmt(result["itl_ms"]["p50"]),
+                _fmt(result["itl_ms"].get("p99")),
+                _fmt(long["ttft_ms"]["p50"] if isinstance(long, dict) else None),
                 _fmt(result.get("output_tokens_per_cpu_s")),
             ]
         )

@@ -13,6 +13,7 @@ ENDPOINTS = ("completions", "chat")
 PROMPT_FORMATS = ("auto", "ids", "text")
 MODES = ("disaggregated", "colocated")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
+WORKLOADS = ("reference", "shared-prefix", "mixed")
 
 
 def parse_slo(items: tuple[str, ...]) -> dict[str, float]:
@@ -58,6 +59,28 @@ class BenchConfig:
     base_url: str = field(
         default="http://127.0.0.1:8000", metadata={"help": "server root; /v1/... is appended"}
     )
+    workload: str = field(
+        default="reference",
+        metadata={
+            "help": "reference (--num-prompts of --input-len/--output-len), shared-prefix (--prefix-* "
+            "knobs) or mixed (--mixed-* and --long-* knobs); the last two send token-id prompts"
+        },
+    )
+    prefix_len: int = field(default=1024, metadata={"help": "shared-prefix: tokens of the one shared prefix"})
+    suffix_len: int = field(default=32, metadata={"help": "shared-prefix: tokens of each request's own"})
+    prefix_output_len: int = field(default=32, metadata={"help": "shared-prefix: max_tokens per request"})
+    prefix_requests: int = field(default=64, metadata={"help": "shared-prefix: measured requests"})
+    prefix_concurrency: int = field(default=16, metadata={"help": "shared-prefix: requests in flight"})
+    mixed_duration_s: float = field(
+        default=40.0, metadata={"help": "mixed: seconds during which the loops start requests"}
+    )
+    mixed_streams: int = field(default=16, metadata={"help": "mixed: closed-loop short streams"})
+    mixed_input_len: int = field(default=64, metadata={"help": "mixed: prompt tokens of a short stream"})
+    mixed_output_len: int = field(default=128, metadata={"help": "mixed: max_tokens of a short stream"})
+    long_input_len: int = field(
+        default=1024, metadata={"help": "mixed: prompt tokens of the long prompts, sent one after another"}
+    )
+    long_output_len: int = field(default=8, metadata={"help": "mixed: max_tokens of a long prompt"})
     model: str = field(
         default="", metadata={"help": "model id to request (default: the first of /v1/models)"}
     )
@@ -125,6 +148,28 @@ class BenchConfig:
         if not self.launch and not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
         check_file("--tls-ca", self.tls_ca)
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
+        if self.workload != "reference" and not self.uses_token_ids:
+            raise ValueError(
+                f"the {self.workload} workload sends token-id prompts: use the completions endpoint"
+            )
+        for name in (
+            "prefix_len",
+            "suffix_len",
+            "prefix_output_len",
+            "prefix_requests",
+            "prefix_concurrency",
+            "mixed_streams",
+            "mixed_input_len",
+            "mixed_output_len",
+            "long_input_len",
+            "long_output_len",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.mixed_duration_s) and self.mixed_duration_s > 0):
+            raise ValueError(f"mixed_duration_s must be a finite number > 0, got {self.mixed_duration_s}")
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
         if self.prompt_format not in PROMPT_FORMATS:

@@ -58,7 +58,7 @@ def finish_record(record: RequestRecord, count_tokens: TokenCounter | None) -> R
     return record
 
 
-async def _send(
+async def send_request(
     session: aiohttp.ClientSession, target: Target, request: BenchRequest, count_tokens: TokenCounter | None
 ) -> RequestRecord:
     payload = build_payload(
@@ -83,7 +83,7 @@ async def warm_up(
 ) -> None:
     """Sends ``request`` ``num_warmup`` times in a row; raises RuntimeError when one fails."""
     for _ in range(num_warmup):
-        record = await _send(session, target, request, count_tokens)
+        record = await send_request(session, target, request, count_tokens)
         if not record.success:
             raise RuntimeError(f"warm-up request to {target.url} failed: {record.error}")
 
@@ -117,10 +117,10 @@ async def run_requests(
         if delay > 0:
             await asyncio.sleep(delay)
         if slots is None:
-            record = await _send(session, target, request, count_tokens)
+            record = await send_request(session, target, request, count_tokens)
         else:
             async with slots:
-                record = await _send(session, target, request, count_tokens)
+                record = await send_request(session, target, request, count_tokens)
         bar.update(1)
         return record
 

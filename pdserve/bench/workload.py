@@ -115,3 +115,53 @@ def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[f
     rng = np.random.default_rng([seed, ARRIVALS_STREAM])
     gaps = rng.exponential(1.0 / request_rate, size=num_requests - 1)
     return [0.0, *(float(t) for t in np.cumsum(gaps))]
+
+
+SHARED_PREFIX_STREAM = 2
+MIXED_SHORT_STREAM = 3
+MIXED_LONG_STREAM = 4
+
+
+def random_ids(rng: np.random.Generator, ids: np.ndarray, length: int) -> list[int]:
+    return [int(i) for i in rng.choice(ids, size=length)]
+
+
+def shared_prefix_requests(
+    num_prompts: int, prefix_len: int, suffix_len: int, output_len: int, seed: int, ids: np.ndarray
+) -> tuple[BenchRequest, list[BenchRequest]]:
+    """A warm-up request and ``num_prompts`` measured ones: one prefix of ``prefix_len`` token ids
+    shared by all, each followed by ``suffix_len`` ids of its own (the warm-up's too)."""
+    rng = np.random.default_rng([seed, SHARED_PREFIX_STREAM])
+    prefix = random_ids(rng, ids, prefix_len)
+    requests = [
+        BenchRequest(prefix + random_ids(rng, ids, suffix_len), prefix_len + suffix_len, output_len)
+        for _ in range(num_prompts + 1)
+    ]
+    return requests[0], requests[1:]
+
+
+class MixedPrompts:
+    """The prompts of the mixed workload, as many as its loops ask for: the i-th short or long prompt
+    depends on the seed and i alone."""
+
+    def __init__(
+        self,
+        ids: np.ndarray,
+        seed: int,
+        short: tuple[int, int],
+        long: tuple[int, int],
+    ) -> None:
+        self._ids = ids
+        self._seed = seed
+        self._short = short
+        self._long = long
+
+    def short(self, index: int) -> BenchRequest:
+        input_len, output_len = self._short
+        rng = np.random.default_rng([self._seed, MIXED_SHORT_STREAM, index])
+        return BenchRequest(random_ids(rng, self._ids, input_len), input_len, output_len)
+
+    def long(self, index: int) -> BenchRequest:
+        input_len, output_len = self._long
+        rng = np.random.default_rng([self._seed, MIXED_LONG_STREAM, index])
+        return BenchRequest(random_ids(rng, self._ids, input_len), input_len, output_len)

@@ -34,6 +34,7 @@ class Option:
     secret: bool = False  # its value is never shown (``--help``)
     env_only: bool = False  # no flag: read from the environment only
     aliases: tuple[str, ...] = ()  # other flags of the same setting
+    bare: str | None = None  # the value of the flag given without one (a bool's is true)
 
     @property
     def name(self) -> str:
@@ -74,6 +75,7 @@ def options(cls: type, defaults: Any = None, prefix: tuple[str, ...] = ()) -> It
                 bool(f.metadata.get("secret")),
                 bool(f.metadata.get("env_only")),
                 tuple(f.metadata.get("aliases", ())),
+                f.metadata.get("bare"),
             )
 
 
@@ -126,8 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, env: Mapping[str, 
             type=functools.partial(_parse_flag, option),
             default=default,
             help=f"{option.help} (env {option.env_var}; default: {shown!r})",
-            nargs="?" if option.type is bool else None,
-            const=True if option.type is bool else None,
+            nargs="?" if option.type is bool or option.bare is not None else None,
+            const=True if option.type is bool else option.bare,
         )
 
 

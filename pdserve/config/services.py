@@ -21,7 +21,9 @@ from pdserve.config.checks import (
     check_positive,
     device_at,
 )
+from pdserve.config.compile_setting import compile_setting
 from pdserve.config.ep_ports import check_ep_port_base, ep_port_range
+from pdserve.config.prefill_routing import PrefillRouting
 from pdserve.config.request_limits import RequestLimits
 from pdserve.config.security import InternalSecurity, PublicSecurity
 
@@ -51,11 +53,17 @@ class EngineConfig:
     cache_dir: str = field(
         default="", metadata={"help": "where presets are built (default ~/.cache/pdserve)"}
     )
-    compile: bool = field(
-        default=False,
+    compile: str = field(
+        default="auto",
         metadata={
-            "help": "torch.compile the engine's forwards (inductor, dynamic shapes; warmed up at start-up)"
+            "help": "torch.compile the engine's forwards (inductor, dynamic shapes; warmed up at start-up, "
+            "compiled code cached under the cache dir): auto (where it measured faster, see "
+            "pdserve/model/compile_choice.py), true (bare --compile) or false",
+            "bare": "true",
         },
+    )
+    enforce_eager: bool = field(
+        default=False, metadata={"help": "never compile: run the forwards eagerly (same as --compile false)"}
     )
     ep: int = field(
         default=1,
@@ -95,6 +103,9 @@ class EngineConfig:
         check_device("device", self.device)
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         check_choice("dtype", self.dtype, DTYPES)
+        object.__setattr__(self, "compile", compile_setting(self.compile))
+        if self.enforce_eager and self.compile == "true":
+            raise ValueError("compile=true and enforce_eager contradict each other: choose one")
         check_at_least("threads", self.threads, 1)
         check_at_least("max_model_len", self.max_model_len, 0)
         check_at_least("ep", self.ep, 1)
@@ -460,6 +471,7 @@ class GatewayConfig:
         },
     )
     limits: RequestLimits = field(default_factory=RequestLimits)
+    routing: PrefillRouting = field(default_factory=PrefillRouting)
     public: PublicSecurity = field(default_factory=PublicSecurity)
     internal: InternalSecurity = field(default_factory=InternalSecurity)
 

@@ -26,6 +26,7 @@ from pdserve.config.checks import (
     check_port,
     check_positive,
 )
+from pdserve.config.compile_setting import compile_setting
 from pdserve.config.services import DTYPE_ALIASES, DTYPES
 
 PREFILL = "prefill"
@@ -70,9 +71,16 @@ class UpConfig:
         metadata={"help": "expert-parallel ranks (processes) of each prefill (colocated: of each service)"},
     )
     decode_ep: int = field(default=1, metadata={"help": "expert-parallel ranks (processes) of each decode"})
-    compile: bool = field(
-        default=False,
-        metadata={"help": "engines run their forwards through torch.compile (compiled at start-up)"},
+    compile: str = field(
+        default="auto",
+        metadata={
+            "help": "engines run their forwards through torch.compile (compiled at start-up, cached under "
+            "the cache dir): auto (where it measured faster), true (bare --compile) or false",
+            "bare": "true",
+        },
+    )
+    enforce_eager: bool = field(
+        default=False, metadata={"help": "engines never compile (same as --compile false)"}
     )
     max_restarts: int = field(
         default=5, metadata={"help": "give up when one child dies more often than this within the window"}
@@ -83,8 +91,11 @@ class UpConfig:
     )
     restart_backoff_max_s: float = field(default=30.0, metadata={"help": "cap of the restart delay"})
     startup_timeout_s: float = field(
-        default=300.0,
-        metadata={"help": "bound on startup until every service is SERVING (first model conversion ~1 min)"},
+        default=600.0,
+        metadata={
+            "help": "bound on startup until every service is SERVING (first model conversion ~1 min; "
+            "a first compilation, cached after, some minutes on a small CPU)"
+        },
     )
     shutdown_timeout_s: float = field(
         default=15.0, metadata={"help": "on SIGINT/SIGTERM, time the children get before SIGKILL"}
@@ -158,6 +169,9 @@ class UpConfig:
             raise ValueError("host must not be empty")
         check_port("port", self.port)
         check_port("http_port", self.http_port, off=-1)
+        object.__setattr__(self, "compile", compile_setting(self.compile))
+        if self.enforce_eager and self.compile == "true":
+            raise ValueError("compile=true and enforce_eager contradict each other: choose one")
         check_device("device", self.device)
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         check_choice("dtype", self.dtype, DTYPES)
@@ -246,8 +260,10 @@ def service_command(config: UpConfig, spec: LaunchSpec) -> list[str]:
         if len(devices) > 1:
             command += ["--ep-devices", ",".join(devices)]
         command += ["--kv-backend", config.kv_backend]
-        if config.compile:
-            command += ["--compile", "true"]
+        if config.compile != "auto":
+            command += ["--compile", config.compile]
+        if config.enforce_eager:
+            command += ["--enforce-eager", "true"]
         command += _set_only(dtype="" if config.dtype == "auto" else config.dtype)
     if spec.role in (PREFILL, COLOCATED):
         command += ["--kv-port", str(spec.kv_port)]

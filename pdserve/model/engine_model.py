@@ -18,7 +18,14 @@ import pdserve.model.deepseek_moe  # noqa: F401  (registers model_type "deepseek
 from pdserve.config import EngineConfig
 from pdserve.core.limits import ModelLimits
 from pdserve.kv.layout import KvLayout
-from pdserve.model.source import resolve_model_dir
+from pdserve.model.compile_choice import choose_compile
+from pdserve.model.compiled_forward import (
+    CompiledForward,
+    compile_model,
+    use_compile_cache,
+    warm_up_or_fall_back,
+)
+from pdserve.model.source import default_cache_dir, resolve_model_dir
 from pdserve.model.weight_layout import prefers_input_major, store_linear_weights_input_major
 
 logger = logging.getLogger(__name__)
@@ -42,13 +49,18 @@ class EngineModel:
     kv_layout: KvLayout
     # How a forward runs: at once, or at the next tick of an expert-parallel group (``Lockstep.run``).
     run_forward: Callable[[Callable[[], Any]], Any] = run_directly
-    # The module the engines' forwards call: ``model`` itself, or ``model`` compiled (``--compile``).
-    forward_module: Any = None
+    # What the engines' forwards call instead of ``model``: ``model`` compiled (``--compile``).
+    forward_module: CompiledForward | None = None
 
     @property
     def compiled(self) -> bool:
         """Whether the forwards run compiled (``--compile``): the engines warm them up before serving."""
-        return self.forward_module is not None
+        return self.forward_module is not None and self.forward_module.active
+
+    def warm_up(self, warm_up: Callable[[], float]) -> float:
+        """Runs an engine's warm-up of compiled forwards (nothing when eager) and returns its duration;
+        a compilation that fails makes the forwards eager (see ``compiled_forward``)."""
+        return warm_up_or_fall_back(self.forward_module, warm_up, (ForwardUnavailable,))
 
     def forward(self, **inputs: Any) -> Any:
         """The model's forward on ``inputs``, run the way this engine runs forwards."""
@@ -107,16 +119,6 @@ def measure_kv_layout(model: Any, device: torch.device) -> KvLayout:
     return KvLayout.from_cache_layers([(layer.keys, layer.values) for layer in cache.layers])
 
 
-def compile_forward(model: Any, device: torch.device) -> Any:
-    """``model`` compiled for the engines' forwards.
-
-    Shapes (batch, context) change at every step: compiled once with dynamic sizes. On CPU the
-    generated code calls its kernels from C++ instead of Python (inductor's ``cpp_wrapper``): a decode
-    step of the reference model (32 rows) costs about 1 ms less of its 10.
-    """
-    return torch.compile(model, dynamic=True, options={"cpp_wrapper": device.type == "cpu"})
-
-
 def load_engine_model(config: EngineConfig, before_move: Callable[[Any], None] | None = None) -> EngineModel:
     """The model of ``config`` on its device. ``before_move`` (an expert-parallel rank keeping its own
     experts) runs on the CPU copy, after the fingerprint and the KV layout are taken from the whole
@@ -128,6 +130,10 @@ def load_engine_model(config: EngineConfig, before_move: Callable[[Any], None] |
         torch.cuda.set_device(device)
     model_dir = resolve_model_dir(config.model, config.cache_dir or None)
     hf_config = AutoConfig.from_pretrained(model_dir)
+    choice = choose_compile(config, str(getattr(hf_config, "model_type", "")), device.type)
+    logger.info("forwards %s: %s", "compiled" if choice.enabled else "eager", choice.reason)
+    if choice.enabled:
+        use_compile_cache(Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir())
     dtype = resolve_dtype(config.dtype, device, hf_config)
     logger.info("loading %s (%s) on %s as %s", config.model, model_dir, device, dtype)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
@@ -151,5 +157,5 @@ def load_engine_model(config: EngineConfig, before_move: Callable[[Any], None] |
         device=device,
         fingerprint=model_fingerprint,
         kv_layout=kv_layout,
-        forward_module=compile_forward(model, device) if config.compile else None,
+        forward_module=compile_model(model, device) if choice.enabled else None,
     )

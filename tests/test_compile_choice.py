@@ -1,0 +1,103 @@
+"""Whether an engine compiles (``--compile auto|true|false``, ``--enforce-eager``), and the fallback
+to eager forwards when a compilation fails at the warm-up."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pdserve.config import EngineConfig, flags
+from pdserve.launch.spec import UpConfig
+from pdserve.model.compile_choice import choose_compile
+from pdserve.model.compiled_forward import (
+    INDUCTOR_CACHE_ENV,
+    CompiledForward,
+    use_compile_cache,
+    warm_up_or_fall_back,
+)
+
+
+def parse(cls: type, *args: str, env: dict[str, str] | None = None) -> Any:
+    parser = argparse.ArgumentParser()
+    flags.add_arguments(parser, cls, env=env or {})
+    return flags.build(cls, parser.parse_args(list(args)))
+
+
+def test_compile_flag_values() -> None:
+    assert parse(EngineConfig).compile == "auto"
+    assert parse(EngineConfig, "--compile").compile == "true"
+    assert parse(EngineConfig, "--compile", "false").compile == "false"
+    assert parse(EngineConfig, "--compile", "1").compile == "true"
+    assert parse(EngineConfig, env={"PDSERVE_COMPILE": "off"}).compile == "false"
+    assert parse(EngineConfig, "--compile", env={"PDSERVE_COMPILE": "false"}).compile == "true"
+    assert parse(EngineConfig, "--enforce-eager").enforce_eager is True
+    assert parse(UpConfig, "--compile").compile == "true"
+    with pytest.raises(ValueError, match="compile"):
+        EngineConfig(compile="sometimes")
+    with pytest.raises(ValueError, match="contradict"):
+        EngineConfig(compile="true", enforce_eager=True)
+    with pytest.raises(ValueError, match="contradict"):
+        UpConfig(compile="true", enforce_eager=True)
+
+
+@pytest.mark.parametrize(
+    ("config", "model_type", "device", "enabled"),
+    [
+        (EngineConfig(), "llama", "cpu", True),  # tiny-llama, SmolLM2: measured faster compiled
+        (EngineConfig(enforce_eager=True), "llama", "cpu", False),
+        (EngineConfig(compile="false"), "llama", "cpu", False),
+        (EngineConfig(), "mixtral", "cpu", False),  # not measured: eager by default
+        (EngineConfig(), "deepseek", "cpu", False),
+        (EngineConfig(), "llama", "cuda", False),
+        (EngineConfig(ep=2), "llama", "cpu", False),
+        (EngineConfig(compile="true"), "mixtral", "cuda", True),
+        (EngineConfig(compile="true", ep=2), "deepseek", "cpu", True),
+    ],
+)
+def test_where_compile_is_chosen(config: EngineConfig, model_type: str, device: str, enabled: bool) -> None:
+    choice = choose_compile(config, model_type, device)
+    assert choice.enabled is enabled and choice.reason
+
+
+def failing_backend(graph: Any, example_inputs: Any) -> Any:
+    raise RuntimeError("this compiler lowers nothing")
+
+
+def test_a_failed_compilation_falls_back_to_eager_forwards() -> None:
+    model = torch.nn.Linear(4, 3)
+    forward = CompiledForward(model, torch.compile(model, backend=failing_backend))
+    x = torch.randn(2, 4)
+
+    def warm_up() -> float:
+        forward(input=x)
+        return 1.0
+
+    assert warm_up_or_fall_back(forward, warm_up) == 0.0
+    assert not forward.active and "this compiler lowers nothing" in forward.fallback_reason
+    torch.testing.assert_close(forward(input=x), model(x))
+
+
+def test_the_warm_up_error_passed_through_is_raised() -> None:
+    model = torch.nn.Linear(4, 3)
+    forward = CompiledForward(model, model)
+
+    def broken() -> float:
+        raise KeyError("the group is gone")
+
+    with pytest.raises(KeyError):
+        warm_up_or_fall_back(forward, broken, (KeyError,))
+    assert forward.active
+
+
+def test_compile_cache_goes_under_the_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(INDUCTOR_CACHE_ENV, raising=False)
+    assert use_compile_cache(tmp_path) == tmp_path / "torch-compile"
+    assert os.environ[INDUCTOR_CACHE_ENV] == str(tmp_path / "torch-compile")
+    assert (tmp_path / "torch-compile").is_dir()
+    monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(tmp_path / "mine"))
+    assert use_compile_cache(tmp_path / "other") == tmp_path / "mine"

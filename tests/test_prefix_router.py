@@ -1,0 +1,146 @@
+"""The gateway's prefix router: longest-prefix hits, balance against load, the bounded index and
+replicas leaving; and the gateway's flags that choose it."""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from gateway.prefix_router import PrefixRouter, block_hashes
+from pdserve.config import GatewayConfig, flags
+from pdserve.config.prefill_routing import PrefillRouting
+
+BLOCK = 16
+
+
+@dataclass
+class Replica:
+    address: str
+    outstanding: int = 0
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 8192) for _ in range(n)]
+
+
+def router(**kwargs: int) -> PrefixRouter:
+    return PrefixRouter(PrefillRouting(prefix_block_size=BLOCK, **kwargs))  # type: ignore[arg-type]
+
+
+def test_block_hashes_chain_full_blocks_only() -> None:
+    prompt = tokens(0, 3 * BLOCK + 5)
+    hashes = block_hashes(prompt, BLOCK)
+    assert len(hashes) == 3
+    assert block_hashes(prompt[: 2 * BLOCK], BLOCK) == hashes[:2]
+    # The same block after another prefix hashes differently: a hash names the whole prefix.
+    other = tokens(1, BLOCK) + prompt[BLOCK : 2 * BLOCK]
+    assert block_hashes(other, BLOCK)[1] != hashes[1]
+    assert block_hashes(prompt[: BLOCK - 1], BLOCK) == []
+
+
+def test_requests_sharing_a_prefix_go_where_it_went() -> None:
+    r = router()
+    a, b = Replica("a"), Replica("b")
+    prefix = tokens(0, 8 * BLOCK)
+    first, routed = r.choose(prefix + tokens(1, 32), [a, b])
+    assert routed.outcome == "least-load" and routed.matched_blocks == 0
+    # The other replica is less loaded now, yet the prefix's holder is chosen.
+    first.outstanding = 2
+    other = b if first is a else a
+    for seed in range(2, 6):
+        chosen, routed = r.choose(prefix + tokens(seed, 32), [a, b])
+        assert chosen is first and routed.outcome == "prefix"
+        assert routed.matched_blocks == 8
+    assert r.matched_blocks(prefix, other.address) == 0
+    # A prompt with no prefix in common goes to the least loaded replica.
+    chosen, routed = r.choose(tokens(99, 64), [a, b])
+    assert chosen is other and routed.outcome == "least-load"
+
+
+def test_the_longest_match_wins() -> None:
+    r = router()
+    a, b = Replica("a"), Replica("b")
+    short, long_ = tokens(0, 2 * BLOCK), tokens(0, 6 * BLOCK)
+    r.choose(short, [a])
+    r.choose(long_, [b])
+    assert r.matched_blocks(long_, "a") == 2 and r.matched_blocks(long_, "b") == 6
+    a.outstanding, b.outstanding = 0, 3
+    chosen, routed = r.choose(long_ + tokens(1, BLOCK), [a, b])
+    assert chosen is b and routed.matched_blocks == 6
+
+
+def test_a_popular_prefix_spreads_once_its_replica_is_loaded() -> None:
+    r = router(prefix_balance_threshold=2)
+    a, b = Replica("a"), Replica("b")
+    prefix = tokens(0, 4 * BLOCK)
+    counts = {"a": 0, "b": 0}
+    # 16 requests arrive before any ends: each stays outstanding where it went.
+    for seed in range(16):
+        chosen, _ = r.choose(prefix + tokens(100 + seed, 8), [a, b])
+        chosen.outstanding += 1
+        counts[chosen.address] += 1
+    assert abs(a.outstanding - b.outstanding) <= 3, counts
+    # Both now hold the prefix: the next one goes to the less loaded of them, as a prefix hit.
+    a.outstanding = 0
+    chosen, routed = r.choose(prefix + tokens(7, 8), [a, b])
+    assert chosen is a and routed.outcome == "prefix"
+
+
+def test_the_index_is_bounded_and_evicts_tails_first() -> None:
+    r = router(prefix_index_blocks=10)
+    a = Replica("a")
+    prefix = tokens(0, 4 * BLOCK)
+    r.choose(prefix, [a])
+    for seed in range(1, 20):
+        r.choose(tokens(seed, 4 * BLOCK), [a])
+        r.choose(prefix + tokens(1000 + seed, 2 * BLOCK), [a])  # the shared prefix stays in use
+        assert r.num_blocks <= 10
+    assert r.matched_blocks(prefix, "a") == 4
+    assert r.matched_blocks(tokens(1, 4 * BLOCK), "a") == 0  # an old one-off prompt is gone
+
+
+def test_a_replica_that_left_is_forgotten_and_a_new_one_is_used() -> None:
+    r = router()
+    a, b, c = Replica("a"), Replica("b"), Replica("c")
+    prefix = tokens(0, 4 * BLOCK)
+    first, _ = r.choose(prefix, [a, b])
+    r.forget(first.address)
+    assert r.matched_blocks(prefix, first.address) == 0
+    assert r.num_blocks == 0
+    survivor = b if first is a else a
+    survivor.outstanding = 1
+    chosen, routed = r.choose(prefix, [survivor, c])
+    assert chosen is c and routed.outcome == "least-load"
+    # Only the candidates offered count: a holder that is not serving is not chosen.
+    chosen, _ = r.choose(prefix, [survivor])
+    assert chosen is survivor
+
+
+def test_no_candidate_is_an_error() -> None:
+    with pytest.raises(ValueError):
+        router().choose(tokens(0, BLOCK), [])
+
+
+def parse_gateway(*args: str) -> GatewayConfig:
+    parser = argparse.ArgumentParser()
+    flags.add_arguments(parser, GatewayConfig, env={})
+    return flags.build(GatewayConfig, parser.parse_args(["--prefill", "h:1", "--decode", "h:2", *args]))
+
+
+def test_gateway_flags_choose_the_routing() -> None:
+    assert parse_gateway().routing == PrefillRouting()
+    assert parse_gateway().routing.prefill_routing == "prefix"
+    config = parse_gateway("--prefill-routing", "least-load", "--prefix-block-size", "32")
+    assert config.routing.prefill_routing == "least-load" and config.routing.prefix_block_size == 32
+    for bad in (
+        ["--prefill-routing", "random"],
+        ["--prefix-block-size", "0"],
+        ["--prefix-index-blocks", "-1"],
+        ["--prefix-balance-threshold", "-1"],
+    ):
+        with pytest.raises(ValueError):
+            parse_gateway(*bad)
