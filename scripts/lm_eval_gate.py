@@ -85,6 +85,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--url", default="", help="use the pdserve HTTP front at this URL instead of starting one"
     )
     parser.add_argument("--startup-timeout-s", type=float, default=600.0, help="wait for pdserve up")
+    parser.add_argument(
+        "--compile",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="pdserve's --compile (auto: its default; false: eager forwards, a quick start)",
+    )
     parser.add_argument("--json", default="", help="write the report (every sample of both backends) here")
     parser.add_argument("--log", default="", help="file for pdserve up's log (default: stderr)")
     args = parser.parse_args(argv)
@@ -118,7 +124,7 @@ def pdserve_up(model_dir: Path, args: argparse.Namespace) -> Iterator[Callable[[
     command = [
         sys.executable, "-m", "pdserve", "up", "--model", str(model_dir), "--host", "127.0.0.1",
         "--port", "0", "--http-port", "0", "--device", "cpu", "--mode", "disaggregated",
-        "--startup-timeout-s", str(args.startup_timeout_s),
+        "--startup-timeout-s", str(args.startup_timeout_s), "--compile", args.compile,
     ]  # fmt: skip
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(Path(args.log).open("w")) if args.log else sys.stderr

@@ -48,7 +48,7 @@ def test_compile_flag_values() -> None:
 @pytest.mark.parametrize(
     ("config", "model_type", "device", "enabled"),
     [
-        (EngineConfig(), "llama", "cpu", True),  # tiny-llama, SmolLM2: measured faster compiled
+        (EngineConfig(), "llama", "cpu", True),  # the reference Llama: measured faster compiled
         (EngineConfig(enforce_eager=True), "llama", "cpu", False),
         (EngineConfig(compile="false"), "llama", "cpu", False),
         (EngineConfig(), "mixtral", "cpu", False),  # not measured: eager by default
@@ -60,8 +60,16 @@ def test_compile_flag_values() -> None:
     ],
 )
 def test_where_compile_is_chosen(config: EngineConfig, model_type: str, device: str, enabled: bool) -> None:
-    choice = choose_compile(config, model_type, device)
+    choice = choose_compile(config, model_type, device, num_layers=4)
     assert choice.enabled is enabled and choice.reason
+
+
+@pytest.mark.parametrize(("num_layers", "enabled"), [(4, True), (8, True), (9, False), (30, False)])
+def test_auto_leaves_deep_models_eager(num_layers: int, enabled: bool) -> None:
+    """SmolLM2's 30 layers take minutes to compile cold on a small CPU: auto keeps them eager, and
+    --compile true still compiles them."""
+    assert choose_compile(EngineConfig(), "llama", "cpu", num_layers).enabled is enabled
+    assert choose_compile(EngineConfig(compile="true"), "llama", "cpu", num_layers).enabled
 
 
 def failing_backend(graph: Any, example_inputs: Any) -> Any:

@@ -130,7 +130,12 @@ def load_engine_model(config: EngineConfig, before_move: Callable[[Any], None] |
         torch.cuda.set_device(device)
     model_dir = resolve_model_dir(config.model, config.cache_dir or None)
     hf_config = AutoConfig.from_pretrained(model_dir)
-    choice = choose_compile(config, str(getattr(hf_config, "model_type", "")), device.type)
+    choice = choose_compile(
+        config,
+        str(getattr(hf_config, "model_type", "")),
+        device.type,
+        int(getattr(hf_config, "num_hidden_layers", 0) or 0),
+    )
     logger.info("forwards %s: %s", "compiled" if choice.enabled else "eager", choice.reason)
     if choice.enabled:
         use_compile_cache(Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir())
