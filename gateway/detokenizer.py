@@ -71,8 +71,13 @@ class IncrementalDetokenizer:
             else WindowDecoder(decode)
         )
         self.uses_decode_stream = stream
-        for token in prompt_tail(prompt_ids, decode):  # one at a time: a split last character stays held
+        tail = prompt_tail(prompt_ids, decode)
+        for token in tail:  # one at a time: a split last character stays held
             self._decoder.add([token])
+        # An unfinished character at the prompt's end that the output does not complete is the
+        # prompt's U+FFFD (decode(prompt) ends with it): the stream does not give it out again.
+        tail_text = decode(tail)
+        self._prompt_replacements = len(tail_text) - len(tail_text.rstrip(REPLACEMENT_CHAR))
         self._bare_tokens: Mapping[int, str] = {}
         fast = isinstance(tokenizer, PreTrainedTokenizerFast)
         if not skip_special_tokens and not spaces_between_special_tokens and fast:
@@ -105,17 +110,27 @@ class IncrementalDetokenizer:
                 text = bare
             self._last_added = bare is not None
             texts.append(text)
-        delta = "".join(texts)
+        delta = self._past_prompt("".join(texts))
         if delta:
             self._parts.append(delta)
         return delta
+
+    def _past_prompt(self, delta: str) -> str:
+        """``delta`` without the U+FFFD of the prompt's unfinished last character, when the first
+        text the decoder gives starts with it (the output did not complete that character)."""
+        if not self._prompt_replacements or not delta:
+            return delta
+        held = self._prompt_replacements
+        self._prompt_replacements = 0
+        leading = len(delta) - len(delta.lstrip(REPLACEMENT_CHAR))
+        return delta[min(held, leading) :]
 
     def flush(self) -> str:
         """Return the text still held (an unfinished character as U+FFFD) and end the stream."""
         if self._finished:
             return ""
         self._finished = True
-        delta = self._decoder.flush()
+        delta = self._past_prompt(self._decoder.flush())
         if delta:
             self._parts.append(delta)
         return delta

@@ -198,6 +198,19 @@ def test_a_character_split_between_prompt_and_output_goes_to_the_output(use_stre
     assert all(FFFD not in d for d in deltas)
 
 
+def test_a_character_the_output_does_not_complete_stays_the_prompts(use_stream: bool) -> None:
+    """The prompt ends inside a character and the output goes on with other text: decode(prompt)
+    already ends with that character's U+FFFD, so the stream starts past it."""
+    tok = TOKENIZERS["byte_level_bpe"]
+    ids = encoded(tok, "ok 中文")
+    cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith(FFFD))
+    prompt, output = ids[:cut], encoded(tok, "abc def")
+    detok = IncrementalDetokenizer(tok, prompt, use_decode_stream=use_stream)
+    deltas, tail = stream(detok, output)
+    assert "".join(deltas) + tail == tok.decode(prompt + output)[len(tok.decode(prompt)) :]
+    assert all(FFFD not in d for d in deltas)
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_round_trip_one_token_at_a_time(
     tokenizer: PreTrainedTokenizerFast, use_stream: bool, text: str
