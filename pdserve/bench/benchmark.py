@@ -74,15 +74,7 @@ async def run_benchmark(config: BenchConfig, base_url: str, pids: list[int]) -> 
             vocab_size=config.vocab_size,
         )
         offsets = arrival_offsets(config.num_prompts, config.request_rate, config.seed)
-        target = Target(
-            base_url,
-            model,
-            config.endpoint,
-            config.temperature,
-            config.ignore_eos,
-            config.request_timeout_s,
-            parse_extra_body(config.extra_body),
-        )
+        target = _target(config, base_url, model)
         count_tokens = token_counter(tokenizer)
         await warm_up(session, target, requests[0], config.num_warmup, count_tokens)
         meter = CpuMeter(pids)
