@@ -40,7 +40,8 @@ from pdserve.model.warm_up import WarmUp
 logger = logging.getLogger(__name__)
 
 # The prompt lengths of the sequences of each warm-up batch, and how many steps each batch runs.
-WARM_UP_BATCHES: tuple[tuple[int, ...], ...] = ((7,), (9, 4), (6, 13, 3))
+# The last one's rows share a prefix (their KV is all zeros): its steps attend to it once.
+WARM_UP_BATCHES: tuple[tuple[int, ...], ...] = ((7,), (9, 4), (6, 13, 3), (20, 18))
 WARM_UP_STEPS = 3
 
 
@@ -53,11 +54,13 @@ class DecodeEngine:
         pool: KvPool,
         max_bypass: int = 0,
         context_idle_s: float = 10.0,
+        shared_prefix: bool = False,
     ) -> None:
+        """``shared_prefix``: the model runs ``shared_prefix_attention`` (see ``StepRunner``)."""
         self._m = engine_model
         self._metrics = metrics
         self._pool = pool
-        self._runner = StepRunner(engine_model, pool, max_running)
+        self._runner = StepRunner(engine_model, pool, max_running, shared_prefix)
         self._scheduler = Scheduler(pool, max_running, engine_model.limits.eos_token_ids, max_bypass)
         self._context_idle_s = context_idle_s
         self._idle_since: float | None = None
@@ -179,6 +182,8 @@ class DecodeEngine:
         output = self._runner.run(rows)
         self._metrics.steps.inc()
         self._metrics.generated_tokens.inc(len(output.rows))
+        if output.shared_prefix_tokens:
+            self._metrics.shared_prefix_steps.inc()
         self._scheduler.absorb(output)
 
     def _warm_up(self) -> None:

@@ -6,7 +6,10 @@
 2. each row feeds its last token at its own position (its cached length), writes that position's
    KV to its pool slot, and attends to its own positions up to that one (the rest of the longest
    row's length is masked);
-3. one forward of all rows through ``EngineModel.forward`` over a ``StepCache``;
+3. one forward of all rows through ``EngineModel.forward`` over a ``StepCache``; when every row
+   begins with the batch context's shared prefix (and the runner may), the forward attends to
+   that prefix once for all rows and to each row's positions after it
+   (``pdserve.model.shared_prefix_attention``);
 4. each row's token: the first maximum of its logits when greedy, else ``sample`` at its own step;
    a row whose request asks for logprobs gets its token's from the same logits
    (``pdserve.core.logprobs``; a step of rows that ask none computes none).
@@ -29,6 +32,7 @@ from pdserve.core.logits_processing import LogitsProcessor, pick
 from pdserve.core.logprobs import TokenLogprobs, rows_logprobs
 from pdserve.core.sampling import sample
 from pdserve.model.engine_model import EngineModel
+from pdserve.model.shared_prefix_attention import SharedPrefix
 
 
 @dataclass(frozen=True)
@@ -37,26 +41,33 @@ class StepOutput:
     token_ids: list[int]  # the token sampled for each row
     # Each row's token's logprobs (None for a row that asks none); empty when no row asks.
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    shared_prefix_tokens: int = 0  # positions of every row the step attended to once for all
 
 
 class StepRunner:
-    def __init__(self, engine_model: EngineModel, pool: KvPool, max_rows: int) -> None:
+    def __init__(
+        self, engine_model: EngineModel, pool: KvPool, max_rows: int, shared_prefix: bool = False
+    ) -> None:
+        """``shared_prefix``: the model runs ``shared_prefix_attention`` (steps may attend to a prefix
+        their rows share once)."""
         self._m = engine_model
         self._pool = pool
         self._context = BatchContext(pool, max_rows)
+        self._shared_prefix = shared_prefix
         self._mask_value = torch.finfo(engine_model.kv_layout.dtype).min
 
     def run(self, rows: Sequence[DecodeSequence]) -> StepOutput:
         ordered = self._arrange(rows)
-        logits = self._forward(ordered)
+        shared = self._context.shared_length() if self._shared_prefix else 0
+        logits = self._forward(ordered, shared)
         counts = [seq.params.logprobs for seq in ordered]
         wanted = any(count is not None for count in counts)
         masked = any(seq.grammar is not None for seq in ordered)
         raw = logits.clone() if wanted and masked else logits  # logprobs are the model's, unmasked
         tokens = self._sample(logits, ordered)
         if not wanted:
-            return StepOutput(ordered, tokens)
-        return StepOutput(ordered, tokens, rows_logprobs(raw, tokens, counts))
+            return StepOutput(ordered, tokens, shared_prefix_tokens=shared)
+        return StepOutput(ordered, tokens, rows_logprobs(raw, tokens, counts), shared)
 
     def clear(self) -> None:
         """Forgets the rows of the batch context (nothing runs, or other rows will)."""
@@ -77,31 +88,42 @@ class StepRunner:
         )
         return [rows[i] for i in order]
 
-    def _forward(self, rows: Sequence[DecodeSequence]) -> torch.Tensor:
-        """The last position's logits of each row, ``[rows, vocab]``."""
+    def _forward(self, rows: Sequence[DecodeSequence], shared: int) -> torch.Tensor:
+        """The last position's logits of each row, ``[rows, vocab]``; ``shared``: the first positions
+        of every row to attend to once, from the batch context's shared prefix (0: none)."""
         device = self._m.device
         lengths = torch.tensor([s.num_cached for s in rows], dtype=torch.long)
         length = int(lengths.max()) + 1
         write = torch.tensor([self._pool.slot(s.blocks, s.num_cached) for s in rows], dtype=torch.long)
         lengths_d = lengths.to(device)
+        extra = {}
+        if shared:
+            context = self._context
+            extra["shared_prefix"] = SharedPrefix(
+                [k[:, :shared] for k in context.shared_keys], [v[:, :shared] for v in context.shared_values]
+            )
         out = self._m.forward(
             input_ids=torch.tensor([[s.last_token_id] for s in rows], dtype=torch.long, device=device),
             position_ids=lengths_d[:, None],
-            attention_mask=self._mask(lengths, length).to(device),
-            cache=self._cache(len(rows), write.to(device), lengths_d, length),
+            attention_mask=self._mask(lengths, length, shared).to(device),
+            cache=self._cache(len(rows), write.to(device), lengths_d, length, shared),
             use_cache=True,
+            **extra,
         )
         logits: torch.Tensor = out.logits[:, -1]
         return logits
 
-    def _mask(self, lengths: torch.Tensor, length: int) -> torch.Tensor:
-        """``[rows, 1, 1, length]``: 0 where a row attends (its positions up to its new one), else min."""
-        valid = torch.arange(length)[None, :] <= lengths[:, None]
-        mask = torch.zeros((len(lengths), 1, 1, length), dtype=self._pool.layout.dtype)
+    def _mask(self, lengths: torch.Tensor, length: int, start: int = 0) -> torch.Tensor:
+        """``[rows, 1, 1, length - start]``: 0 where a row attends (its positions from ``start`` up to
+        its new one), else min."""
+        valid = torch.arange(start, length)[None, :] <= lengths[:, None]
+        mask = torch.zeros((len(lengths), 1, 1, length - start), dtype=self._pool.layout.dtype)
         mask.masked_fill_(~valid[:, None, None, :], self._mask_value)
         return mask
 
-    def _cache(self, num_rows: int, write: torch.Tensor, lengths: torch.Tensor, length: int) -> StepCache:
+    def _cache(
+        self, num_rows: int, write: torch.Tensor, lengths: torch.Tensor, length: int, start: int
+    ) -> StepCache:
         pool, context = self._pool, self._context
         return StepCache(
             [
@@ -113,6 +135,7 @@ class StepRunner:
                     write,
                     lengths,
                     length,
+                    start,
                 )
                 for i in range(pool.layout.num_layers)
             ]

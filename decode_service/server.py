@@ -29,6 +29,7 @@ from pdserve.hosting.service_kind import RankParts, ServiceKind
 from pdserve.hosting.service_main import serve_service
 from pdserve.kv import cuda_ipc, shared_memory
 from pdserve.model.engine_model import EngineModel
+from pdserve.model.shared_prefix_attention import enable_shared_prefix_attention
 from pdserve.rpc.server import ServiceServer
 from pdserve.rpc.service_security import internal_client
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
@@ -101,7 +102,15 @@ def build_decode(
     )
     metrics.kv_cache_usage.set_function(lambda: pool.num_used_blocks / pool.num_blocks)
     engine = DecodeEngine(
-        engine_model, metrics, config.max_running, pool, config.max_bypass, config.context_idle_s
+        engine_model,
+        metrics,
+        config.max_running,
+        pool,
+        config.max_bypass,
+        config.context_idle_s,
+        shared_prefix=enable_shared_prefix_attention(
+            engine_model.model, config.engine.no_shared_prefix_attention, "decode"
+        ),
     )
     engine.start()
     servicer = DecodeServicer(

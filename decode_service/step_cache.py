@@ -12,6 +12,14 @@ its cost follows the live context, not a fixed maximum. Shorter rows are masked 
 attention mask. The context keeps its memory when the running set empties, so that the next burst
 of requests does not pay for growing it again, until ``release`` (the engine calls it once nothing
 has run for ``--context-idle-s``): a burst's memory is given back.
+
+The context also keeps one shared prefix (``shared_keys``/``shared_values``, head-major, and a copy
+laid out as the rows are, to compare them with): the KV
+of the first row that joined when no live row shared one, and for each live row the number of its
+first positions whose KV equals it, bit for bit, in every layer (measured when the row joins, a
+comparison of its KV with the prefix). When every live row shares at least ``MIN_SHARED_TOKENS``
+of it (``shared_length``), a step attends to those positions once for all rows
+(``pdserve.model.shared_prefix_attention``) and to each row's own positions after them.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from decode_service.kv_pool import KvPool
 
 CAPACITY_STEP = 64  # the batch context grows by at least this many positions at a time
 MIN_ROWS = 8  # rows of a batch context when first allocated
+MIN_SHARED_TOKENS = 16  # a shorter shared prefix is attended row by row
 
 
 class BatchContext:
@@ -42,6 +51,18 @@ class BatchContext:
         self.values: list[torch.Tensor] = []
         self.num_rows_copied = 0  # rows copied in: joins, moves on leave, and every row at a growth
         self.num_growths = 0
+        self.shared_keys: list[torch.Tensor] = []  # per layer [heads, tokens, width]: the shared prefix
+        self.shared_values: list[torch.Tensor] = []
+        self.shared_lengths: list[int] = []  # per live row: its first positions equal to the prefix
+        self._shared_rows: list[torch.Tensor] = []  # the prefix as rows hold it, keys then values
+
+    def shared_length(self) -> int:
+        """Positions every live row shares with the shared prefix (0: fewer than two rows, or fewer
+        than ``MIN_SHARED_TOKENS`` shared)."""
+        if len(self.serials) < 2:
+            return 0
+        shared = min(self.shared_lengths)
+        return shared if shared >= MIN_SHARED_TOKENS else 0
 
     @property
     def allocated_rows(self) -> int:
@@ -74,12 +95,14 @@ class BatchContext:
                 continue
             while self.serials[-1] not in live:  # rows left at the end go without a move
                 self.serials.pop()
+                self.shared_lengths.pop()
                 if row == len(self.serials):
                     return
             last = len(self.serials) - 1
             for t in (*self.keys, *self.values):
                 t[row].copy_(t[last])
             self.serials[row] = self.serials.pop()
+            self.shared_lengths[row] = self.shared_lengths.pop()
             self.num_rows_copied += 1
 
     def _grow(self, rows: int, positions: int) -> None:
@@ -112,10 +135,35 @@ class BatchContext:
         for pool_t, t in zip((*self._pool.keys, *self._pool.values), (*self.keys, *self.values), strict=True):
             torch.index_select(pool_t, 0, slots, out=t[row, :length])
         self.num_rows_copied += 1
+        self.shared_lengths.append(self._shared_with(row, length))
+
+    def _shared_with(self, row: int, length: int) -> int:
+        """How many first positions of ``row`` (of ``length``) equal the shared prefix; when no live
+        row shares it, the row's KV becomes the shared prefix."""
+        if not any(self.shared_lengths):
+            self._shared_rows = [t[row, :length].clone() for t in (*self.keys, *self.values)]
+            heads_first = [t.transpose(0, 1).contiguous() for t in self._shared_rows]
+            self.shared_keys, self.shared_values = (
+                heads_first[: len(self.keys)],
+                heads_first[len(self.keys) :],
+            )
+            return length
+        same = min(length, int(self._shared_rows[0].shape[0]))
+        for t, shared in zip((*self.keys, *self.values), self._shared_rows, strict=True):
+            if same < MIN_SHARED_TOKENS:
+                return 0
+            mine, theirs = t[row, :same], shared[:same]
+            if not torch.equal(mine, theirs):
+                same = int((mine != theirs).flatten(1).any(1).nonzero()[0, 0])  # the first that differs
+        return same if same >= MIN_SHARED_TOKENS else 0
+
+    def _forget_shared(self) -> None:
+        self.shared_keys, self.shared_values, self.shared_lengths, self._shared_rows = [], [], [], []
 
     def clear(self) -> None:
         """Forgets every row; the memory stays for the next ones (growing is what costs)."""
         self.serials = []
+        self._forget_shared()
 
     def release(self) -> None:
         """Forgets every row and gives the memory back; the next step allocates anew."""
@@ -123,6 +171,7 @@ class BatchContext:
         self.keys = []
         self.values = []
         self.capacity = 0
+        self._forget_shared()
 
     @property
     def num_bytes(self) -> int:
@@ -142,7 +191,10 @@ class StepLayer(CacheLayerMixin):
         write_slots: torch.Tensor,
         lengths: torch.Tensor,
         length: int,
+        start: int = 0,
     ) -> None:
+        """``start``: the positions before it are not returned (a shared prefix the step attends to
+        apart)."""
         super().__init__()
         self._pool_keys = pool_keys
         self._pool_values = pool_values
@@ -152,6 +204,7 @@ class StepLayer(CacheLayerMixin):
         self._rows = torch.arange(len(lengths), device=lengths.device)
         self._lengths = lengths  # [batch] each row's new position
         self._length = length
+        self._start = start
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -166,8 +219,8 @@ class StepLayer(CacheLayerMixin):
         self._pool_values[self._write] = new_values
         self._batch_keys[self._rows, self._lengths] = new_keys
         self._batch_values[self._rows, self._lengths] = new_values
-        self.keys = self._batch_keys[:, : self._length].transpose(1, 2)
-        self.values = self._batch_values[:, : self._length].transpose(1, 2)
+        self.keys = self._batch_keys[:, self._start : self._length].transpose(1, 2)
+        self.values = self._batch_values[:, self._start : self._length].transpose(1, 2)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -54,15 +54,22 @@ from pdserve.core.grammar import GrammarState, apply_masks
 from pdserve.core.logits_processing import request_processor
 from pdserve.core.logprobs import TokenLogprobs, position_logprobs, prompt_logprobs
 from pdserve.core.sampling import SamplingParams
-from pdserve.kv.layout import pack_into, unpack
+from pdserve.kv.layout import unpack
 from pdserve.kv.transports import GLOO, Place
 from pdserve.model.engine_model import EngineModel
 from pdserve.model.warm_up import WarmUp
 from prefill_service.chunk_schedule import Group, schedule
 from prefill_service.first_choices import FirstToken, continues, first_tokens, with_grammar
 from prefill_service.kv_space import KvSpace, ParkedBuffer
-from prefill_service.prefix_cache import LayerKv, PrefixCache
-from prefill_service.prompt_forward import ForwardOutput, run_forward
+from prefill_service.prefix_cache import LayerKv, PrefixCache, reuse_problem
+from prefill_service.prompt_forward import (
+    ForwardOutput,
+    ForwardScratch,
+    KvParts,
+    joined,
+    pack_parts,
+    run_forward,
+)
 from prefill_service.prompt_job import PromptJob
 
 logger = logging.getLogger(__name__)
@@ -77,8 +84,9 @@ class DeadlineExpired(Exception):
 # own: one-token prompts).
 WARM_UP_BATCHES: tuple[tuple[int, ...], ...] = ((7,), (12,), (1,), (9, 5), (6, 14, 3), (1, 1))
 # With a prefix cache, then: the lengths of the new tokens of prompts over a cached prefix of two
-# blocks (the first one caches it), alone and batched with padding.
-WARM_UP_CACHED: tuple[tuple[int, ...], ...] = ((3,), (5,), (1,), (2, 6))
+# blocks (the first one caches it), alone and batched with padding (with the shared-prefix attention,
+# rows over one cached prefix); then rows over two different ones, and a prompt cut into chunks.
+WARM_UP_CACHED: tuple[tuple[int, ...], ...] = ((3,), (5,), (1,), (2, 6), (4, 4))
 
 
 @dataclass(frozen=True)
@@ -120,15 +128,22 @@ class PrefillEngine:
         kv_space: KvSpace | torch.device,
         max_batch_tokens: int = 8192,
         prefix_cache: PrefixCache | None = None,
+        shared_prefix: bool = False,
     ) -> None:
         """``kv_space``: where KV is parked (a device: private memory there, moved over gloo).
-        ``max_batch_tokens``: the token budget of a step. ``prefix_cache``: None, no prefix reuse."""
+        ``max_batch_tokens``: the token budget of a step. ``prefix_cache``: None, no prefix reuse.
+        ``shared_prefix``: the model runs ``shared_prefix_attention`` (rows over one cached prefix
+        attend to it once)."""
         self._m = engine_model
         if isinstance(kv_space, torch.device):
             kv_space = KvSpace(GLOO, Place("", str(kv_space)), kv_space)
         self._space = kv_space
         self._max_batch_tokens = max_batch_tokens
         self._prefix = prefix_cache
+        self._whole = reuse_problem(engine_model.model) is None  # forwards over PromptLayers
+        self._scratch = ForwardScratch(engine_model.device)  # their memory, kept (engine thread only)
+        self._shared_prefix = shared_prefix
+        self.num_shared_prefix_forwards = 0  # forwards that read their rows' one cached prefix once
         self._queue: queue.SimpleQueue[_Pending | WarmUp | None] = queue.SimpleQueue()
         self._held: WarmUp | None = None
         self._line: list[PromptJob] = []  # admitted requests, in the order they are served
@@ -292,19 +307,23 @@ class PrefillEngine:
         chunks = [job.next_chunk(c.num_tokens) for job, c in zip(jobs, group.chunks, strict=True)]
         pasts = [job.kv for job in jobs if job.kv is not None] if group.past else None
         keep = max([len(c) for job, c in zip(jobs, chunks, strict=True) if job.wants_prompt_logits] or [1])
-        out = run_forward(m, pasts, chunks, keep)
+        shared = self._shared_prefix and bool(group.past) and _one_cached_prefix(jobs)
+        out = run_forward(m, pasts, chunks, keep, self._whole, self._scratch, shared)
+        self.num_shared_prefix_forwards += shared
         finished: dict[PromptJob, PrefillResult] = {}
         for row, (job, chunk) in enumerate(zip(jobs, chunks, strict=True)):
             if job.wants_prompt_logits and out.kept is not None:
                 job.prompt_logits.append(out.kept[row, -len(chunk) :])
+            parts = out.row_parts(row)  # views, valid until the next forward
             new_blocks = job.ran(len(chunk), self._prefix)
-            kv = out.row_kv(row)
-            if job.remaining:
-                job.kv = kv
+            if job.remaining:  # its own copy: the forward's memory serves the next forward
+                job.kv = kv = joined(parts)
             else:
-                finished[job] = result = self._first_token(job, out, row, kv, len(jobs))
+                finished[job] = result = self._first_token(job, row, out, parts, len(jobs))
                 if result.kv is not None:  # the same KV, contiguous: the cheaper copy
                     kv = unpack(result.kv.tensor, m.kv_layout, result.num_tokens)
+                else:
+                    kv = joined(parts) if new_blocks and self._prefix is not None else []
             self._offer_blocks(new_blocks, kv)
         if m.device.type == "cuda":
             torch.cuda.synchronize(m.device)
@@ -326,7 +345,7 @@ class PrefillEngine:
         self._prefix.insert([h for h, _ in blocks], [(k[:, start:end], v[:, start:end]) for k, v in kv])
 
     def _first_token(
-        self, job: PromptJob, out: ForwardOutput, row: int, kv: LayerKv, batch_size: int
+        self, job: PromptJob, row: int, out: ForwardOutput, parts: KvParts, batch_size: int
     ) -> PrefillResult:
         """The prompt's first token, sampled from the last logits row of its last forward, and its
         whole KV packed when the request goes on."""
@@ -347,8 +366,7 @@ class PrefillEngine:
         buffer = None
         if continues(choices):
             buffer = self._space.allocate(m.kv_layout.num_bytes(num_tokens))
-            layers = [(k[None], v[None]) for k, v in kv]
-            pack_into(buffer.tensor, layers, m.kv_layout, 0, 0, num_tokens)
+            pack_parts(buffer.tensor, parts, m.kv_layout, num_tokens)
         result = PrefillResult(
             token,
             reason,
@@ -398,6 +416,11 @@ class PrefillEngine:
                 [prefix + [(row + i) % vocab_size for i in range(n)] for row, n in enumerate(lengths)]
                 for lengths in WARM_UP_CACHED
             ]
+            # Rows over two different cached prefixes of one length: each past is its own.
+            other = [(5 * i + 2) % vocab_size for i in range(2 * self._prefix.block_size)]
+            batches += [[[*other, 1, 2, 3]], [[*prefix, 4, 5], [*other, 6, 7, 8, 9, 10, 11]]]
+        # A prompt longer than the budget: its second chunk runs over the first one's KV.
+        batches.append([[(7 * i + 3) % vocab_size for i in range(self._max_batch_tokens + 3)]])
         for prompts in batches:
             line = [PromptJob(prompt, params, 0, None) for prompt in prompts]
             while line:
@@ -427,6 +450,21 @@ def _with_logprobs(
     if params.prompt_logprobs is not None:
         in_prompt = tuple(prompt_logprobs(logits[-len(prompt) :], prompt, params.prompt_logprobs))
     return dataclasses.replace(result, logprobs=first, prompt_logprobs=in_prompt, choice_logprobs=per_choice)
+
+
+def _one_cached_prefix(jobs: Sequence[PromptJob]) -> bool:
+    """Whether every job's KV so far is the same cached prefix (the same blocks of the prefix cache,
+    nothing run yet): the forward may read it once for all."""
+    first = jobs[0].match
+    if first is None or not first.blocks:
+        return False
+    slots = [block.slot for block in first.blocks]
+    return all(
+        job.match is not None
+        and job.done == job.cached_tokens
+        and [block.slot for block in job.match.blocks] == slots
+        for job in jobs
+    )
 
 
 def _expired(pending: _Pending) -> bool:

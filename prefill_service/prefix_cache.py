@@ -157,9 +157,14 @@ class PrefixCache:
         return match
 
     def kv(self, match: PrefixMatch) -> LayerKv:
-        """Per layer, the keys and values of a match's tokens ``[heads, tokens, width]`` (new
-        tensors)."""
+        """Per layer, the keys and values of a match's tokens ``[heads, tokens, width]``: views of the
+        pools when its blocks lie in consecutive slots (as a prompt's blocks do, as a rule), valid
+        while the match holds its references; new tensors otherwise."""
         size = self.block_size
+        first = match.blocks[0].slot if match.blocks else 0
+        if all(block.slot == first + i for i, block in enumerate(match.blocks)):
+            start, end = first * size, (first + len(match.blocks)) * size
+            return [(keys[:, start:end], values[:, start:end]) for keys, values in self._pools]
         tokens = torch.tensor(
             [block.slot * size + t for block in match.blocks for t in range(size)], device=self._device
         )

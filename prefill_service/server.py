@@ -31,6 +31,7 @@ from pdserve.kv.layout import dtype_name
 from pdserve.kv.shared_memory import InstanceLock, SharedArena
 from pdserve.kv.transports import AUTO, SHM, offers
 from pdserve.model.engine_model import EngineModel
+from pdserve.model.shared_prefix_attention import enable_shared_prefix_attention
 from pdserve.rpc.server import ServiceServer
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from prefill_service.engine import PrefillEngine
@@ -179,7 +180,10 @@ def build_prefill(
     metrics.track_lent(lender, space)
     sender = KvSender(instance_id, backend, engine_model.device, host, timeout, metrics)
     prefix_cache = build_prefix_cache(config, engine_model, metrics)
-    engine = PrefillEngine(engine_model, space, config.batch_tokens, prefix_cache)
+    shared_prefix = enable_shared_prefix_attention(
+        engine_model.model, config.engine.no_shared_prefix_attention, "prefill"
+    )
+    engine = PrefillEngine(engine_model, space, config.batch_tokens, prefix_cache, shared_prefix)
     metrics.track_queue(lambda: engine.num_waiting, lambda: engine.num_running)
     issuer = HandleIssuer(
         prefill_address=server.address,

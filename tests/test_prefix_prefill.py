@@ -19,6 +19,7 @@ from pdserve.config import EngineConfig
 from pdserve.core.sampling import SamplingParams
 from pdserve.kv.layout import unpack
 from pdserve.model.engine_model import EngineModel, load_engine_model
+from pdserve.model.shared_prefix_attention import use_shared_prefix_attention
 from prefill_service.engine import PrefillEngine, PrefillResult
 from prefill_service.prefix_cache import PrefixCache, reuse_problem
 from tests.test_equivalence import reference_tokens
@@ -127,6 +128,37 @@ def test_kv_with_the_cache_is_the_kv_without_it(models: dict[str, EngineModel]) 
     for a, b in zip(without, with_cache, strict=True):
         assert a.first_token_id == b.first_token_id and a.kv is not None and b.kv is not None
         assert torch.allclose(a.kv.tensor.view(torch.float32), b.kv.tensor.view(torch.float32), atol=1e-5)
+
+
+def test_rows_over_one_cached_prefix_read_it_once_and_stay_exact(models: dict[str, EngineModel]) -> None:
+    m = models["tiny-llama"]
+    assert use_shared_prefix_attention(m.model) is None  # sdpa unless a forward shares a prefix
+    prefix = random_prompt(m, 37, 9)
+    prompts = [[*prefix, *random_prompt(m, n, 10 + n)] for n in (1, 4, 9, 2)]
+    engines = {
+        shared: PrefillEngine(
+            m, m.device, prefix_cache=PrefixCache(16, 1024, m.kv_layout, m.device), shared_prefix=shared
+        )
+        for shared in (True, False)
+    }
+
+    async def run(engine: PrefillEngine) -> list[PrefillResult]:
+        await engine.run(prefix, GREEDY)  # caches its two full blocks
+        return list(await asyncio.gather(*(engine.run(p, GREEDY) for p in prompts)))
+
+    try:
+        results = {shared: asyncio.run(run(engine)) for shared, engine in engines.items()}
+    finally:
+        for engine in engines.values():
+            engine.close()
+    assert engines[True].num_shared_prefix_forwards == 1 and engines[False].num_shared_prefix_forwards == 0
+    for prompt, once, apart in zip(prompts, results[True], results[False], strict=True):
+        assert once.cached_tokens == apart.cached_tokens == 32 and once.batch_size == 4
+        assert once.kv is not None and apart.kv is not None
+        torch.testing.assert_close(
+            once.kv.tensor.view(torch.float32), apart.kv.tensor.view(torch.float32), atol=1e-5, rtol=1e-5
+        )
+        assert continuation(m, prompt, once, 4) == reference_tokens(m.model, prompt, 4)
 
 
 def test_a_long_prompt_runs_in_chunks_and_a_short_one_between_them(models: dict[str, EngineModel]) -> None:

@@ -65,6 +65,13 @@ class EngineConfig:
     enforce_eager: bool = field(
         default=False, metadata={"help": "never compile: run the forwards eagerly (same as --compile false)"}
     )
+    no_shared_prefix_attention: bool = field(
+        default=False,
+        metadata={
+            "help": "rows of a forward that share a KV prefix attend to it each on its own (by default "
+            "the prefix is read once for all of them, on models whose attention allows it)"
+        },
+    )
     ep: int = field(
         default=1,
         metadata={

@@ -82,6 +82,10 @@ class UpConfig:
     enforce_eager: bool = field(
         default=False, metadata={"help": "engines never compile (same as --compile false)"}
     )
+    no_shared_prefix_attention: bool = field(
+        default=False,
+        metadata={"help": "engines attend to a KV prefix their rows share row by row, not once for all"},
+    )
     max_restarts: int = field(
         default=5, metadata={"help": "give up when one child dies more often than this within the window"}
     )
@@ -264,6 +268,8 @@ def service_command(config: UpConfig, spec: LaunchSpec) -> list[str]:
             command += ["--compile", config.compile]
         if config.enforce_eager:
             command += ["--enforce-eager", "true"]
+        if config.no_shared_prefix_attention:
+            command += ["--no-shared-prefix-attention", "true"]
         command += _set_only(dtype="" if config.dtype == "auto" else config.dtype)
     if spec.role in (PREFILL, COLOCATED):
         command += ["--kv-port", str(spec.kv_port)]
