@@ -142,7 +142,13 @@ class BatchContext:
         row shares it, the row's KV becomes the shared prefix."""
         if not any(self.shared_lengths):
             self._shared_rows = [t[row, :length].clone() for t in (*self.keys, *self.values)]
-            heads_first = [t.transpose(0, 1).contiguous() for t in self._shared_rows]
+            # One spare position: a step's slice of the prefix is never the whole tensor, so its
+            # strides are those of every other step (compiled code is specialised on contiguity).
+            heads_first = []
+            for t in self._shared_rows:
+                spare = torch.empty((t.shape[1], length + 1, t.shape[2]), dtype=t.dtype, device=t.device)
+                spare[:, :length].copy_(t.transpose(0, 1))
+                heads_first.append(spare)
             self.shared_keys, self.shared_values = (
                 heads_first[: len(self.keys)],
                 heads_first[len(self.keys) :],
