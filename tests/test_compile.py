@@ -18,7 +18,7 @@ from tests.test_equivalence import divergence_report, reference_tokens
 
 MODEL = "tiny-llama"
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(1200)
 
 
 def compiles(stack: Stack) -> dict[str, float]:
@@ -41,7 +41,7 @@ def test_compiled_engines_match_generate(cache_dir: Path, tmp_path: Path, refere
         # The tests' services run eager unless asked (PDSERVE_COMPILE=false): auto is the default.
         prefill_args=["--compile", "auto"],
         decode_args=["--compile", "auto"],
-        ready_timeout_s=420,
+        ready_timeout_s=720,
     ).start()
     try:
         prefill_metrics = scrape(stack.prefills[0].metrics)
@@ -90,7 +90,7 @@ def test_compiled_engines_match_generate(cache_dir: Path, tmp_path: Path, refere
         )
         again.start()
         try:
-            again.wait_ready(420)
+            again.wait_ready(600)
             warm = cache_lookups(scrape(again.metrics))
             assert warm["hit"] > 0 and warm["miss"] == 0, warm
         finally:

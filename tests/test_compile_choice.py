@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,9 @@ from pdserve.launch.spec import UpConfig
 from pdserve.model.compile_choice import choose_compile
 from pdserve.model.compiled_forward import (
     INDUCTOR_CACHE_ENV,
+    RECOMPILE_LIMIT,
     CompiledForward,
+    compile_model,
     use_compile_cache,
     warm_up_or_fall_back,
 )
@@ -109,3 +112,20 @@ def test_compile_cache_goes_under_the_cache_dir(tmp_path: Path, monkeypatch: pyt
     assert (tmp_path / "torch-compile").is_dir()
     monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(tmp_path / "mine"))
     assert use_compile_cache(tmp_path / "other") == tmp_path / "mine"
+
+
+def test_compiling_allows_every_shape_class_the_warm_ups_compile() -> None:
+    """Dynamo runs a frame eagerly past its recompile limit (8 by default, and a setting of each
+    thread): an engine thread calling the forward compiles up to RECOMPILE_LIMIT classes."""
+    forward = compile_model(torch.nn.Identity(), torch.device("cpu"))
+    seen: list[int] = []
+
+    def engine_thread() -> None:
+        assert torch._dynamo.config.recompile_limit == 8
+        forward(input=torch.ones(3))
+        seen.append(torch._dynamo.config.recompile_limit)
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    assert seen == [RECOMPILE_LIMIT] and RECOMPILE_LIMIT > 8

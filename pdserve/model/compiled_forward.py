@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,11 @@ logger = logging.getLogger(__name__)
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 CACHE_SUBDIR = "torch-compile"
 REASON_CHARS = 300
+# Shape classes an engine compiles in its warm-up (prefill: alone, batched, padded, over one cached
+# prefix or each its own, a chunk's continuation...; decode: one row, several, a shared prefix) are
+# more than dynamo's default limit of 8 per frame, past which it runs the frame eagerly. Dynamo's
+# settings are per thread: each thread that calls the forward raises it for itself.
+RECOMPILE_LIMIT = 64
 
 
 def use_compile_cache(cache_root: Path) -> Path:
@@ -48,6 +54,7 @@ class CompiledForward:
         self._model = model
         self._compiled: Callable[..., Any] | None = compiled
         self.fallback_reason = ""
+        self._configured = threading.local()
 
     @property
     def active(self) -> bool:
@@ -56,7 +63,13 @@ class CompiledForward:
 
     def __call__(self, **inputs: Any) -> Any:
         compiled = self._compiled
-        return self._model(**inputs) if compiled is None else compiled(**inputs)
+        if compiled is None:
+            return self._model(**inputs)
+        if not getattr(self._configured, "done", False):
+            config = torch._dynamo.config
+            config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+            self._configured.done = True
+        return compiled(**inputs)
 
     def fall_back(self, reason: str) -> None:
         """From now on the forwards run eagerly."""
