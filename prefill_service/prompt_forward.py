@@ -76,26 +76,42 @@ class ForwardScratch:
         return sum(t.numel() * t.element_size() for t in self._flat.values())
 
 
-class PromptLayer(CacheLayerMixin):
-    """One layer of a prefill forward's cache, allocated whole: the past is already in it, and the
-    forward's new keys and values are written after it (each row's real tokens at the end)."""
+class _PastLayer(CacheLayerMixin):
+    """A cache layer of a prefill forward that starts after ``past`` positions: a tensor whose last
+    size is the past length (a size, so that compiled code keeps it symbolic)."""
 
     is_sliding = False
 
-    def __init__(
-        self, keys: torch.Tensor, values: torch.Tensor, past: torch.Tensor, slots: torch.Tensor | None
-    ):
-        """``keys``/``values``: ``[rows, heads, past + longest, width]``; ``past``: a tensor whose
-        last size is the past length (a size, so that compiled code keeps it symbolic); ``slots``:
-        ``[rows, longest]`` where each new position is written (None: at ``past`` onwards, no padding)."""
+    def __init__(self, past: torch.Tensor) -> None:
         super().__init__()
-        self.keys, self.values = keys, values
         self._past = past
-        self._slots = slots
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._past.shape[-1] + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._past.shape[-1]
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class PromptLayer(_PastLayer):
+    """One layer of a prefill forward's cache, allocated whole: the past is already in it, and the
+    forward's new keys and values are written after it (each row's real tokens at the end)."""
+
+    def __init__(
+        self, keys: torch.Tensor, values: torch.Tensor, past: torch.Tensor, slots: torch.Tensor | None
+    ):
+        """``keys``/``values``: ``[rows, heads, past + longest, width]``; ``slots``: ``[rows,
+        longest]`` where each new position is written (None: at ``past`` onwards, no padding)."""
+        super().__init__(past)
+        self.keys, self.values = keys, values
+        self._slots = slots
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -111,45 +127,16 @@ class PromptLayer(CacheLayerMixin):
             self.values.scatter_(2, index.expand(value_states.shape), value_states)
         return self.keys, self.values
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._past.shape[-1] + query_length, 0
 
-    def get_seq_length(self) -> int:
-        return self._past.shape[-1]
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class OwnLayer(CacheLayerMixin):
+class OwnLayer(_PastLayer):
     """One layer of a forward over a shared past: it keeps the forward's own keys and values only
     (the attention reads the past apart)."""
-
-    is_sliding = False
-
-    def __init__(self, past: torch.Tensor) -> None:
-        """``past``: a tensor whose last size is the past length."""
-        super().__init__()
-        self._past = past
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        return None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.keys, self.values = key_states, value_states
         return key_states, value_states
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._past.shape[-1] + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self._past.shape[-1]
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 # A row's KV in pieces, in token order: (first position, per layer [heads, tokens, width]).
