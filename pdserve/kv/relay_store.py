@@ -14,6 +14,12 @@ import torch.distributed as dist
 
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 
+# How long past a wait's own timeout a call may take before the decode gives up on the prefill: the
+# prefill answers a timed-out wait itself; a prefill that is stopped or gone never answers, and the
+# pair's bound (the transfer timeout) must hold for it too.
+ANSWER_MARGIN_S = 0.5
+WAITING_OPS = frozenset({"wait", "get"})
+
 
 class RelayStore(dist.Store):
     def __init__(
@@ -45,7 +51,9 @@ class RelayStore(dist.Store):
             **fields,  # type: ignore[arg-type]
         )
         try:
-            response: prefill_pb2.PairStoreResponse = self._stub.PairStore(request, timeout=wait_s + 5.0)
+            response: prefill_pb2.PairStoreResponse = self._stub.PairStore(
+                request, timeout=wait_s + ANSWER_MARGIN_S if op in WAITING_OPS else wait_s
+            )
         except grpc.RpcError as exc:
             raise RuntimeError(f"pair store {op} failed: {exc.code().name}: {exc.details()}") from None
         return response
