@@ -1,8 +1,9 @@
 """The choices of one OpenAI request (``n``), each counted on its own, by index.
 
 Responses of the request flow carry their choice's ``index``; each choice's text, token count and
-finish reason add up apart. The usage counts the prompt once and the completion tokens of every
-choice, as OpenAI and vLLM count them. A whole (not streamed) response lists the choices by index.
+finish reason add up apart. The usage counts the prompt once (and its tokens taken from the prefix
+cache, ``prompt_tokens_details.cached_tokens``) and the completion tokens of every choice, as
+OpenAI and vLLM count them. A whole (not streamed) response lists the choices by index.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
-from gateway.openai_models import FinishReason, Usage
+from gateway.openai_models import FinishReason, PromptTokensDetails, Usage
 from pdserve.v1 import gateway_pb2
 
 
 class ChoiceCount(Protocol):
     prompt_tokens: int
+    cached_tokens: int
     completion_tokens: int
 
     def add(self, response: gateway_pb2.GenerateResponse) -> FinishReason | None: ...
@@ -47,5 +49,11 @@ class Choices(Generic[C]):
 
     def usage(self) -> Usage:
         prompt = max((c.prompt_tokens for c in self._choices.values()), default=0)
+        cached = max((c.cached_tokens for c in self._choices.values()), default=0)
         completion = sum(c.completion_tokens for c in self._choices.values())
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )

@@ -36,7 +36,6 @@ from gateway.openai_models import (
     Delta,
     FinishReason,
     StopReason,
-    Usage,
 )
 from gateway.openai_requests import openai_finish_reason
 from gateway.public_errors import public_error
@@ -64,6 +63,7 @@ class ResponseMeta:
 @dataclass
 class Totals:
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     completion_tokens: int = 0
     text: str = ""
     finish_reason: FinishReason | None = None
@@ -76,6 +76,7 @@ class Totals:
         """Counts one response; its OpenAI finish reason, or None while the request goes on."""
         if response.num_prompt_tokens:
             self.prompt_tokens = response.num_prompt_tokens
+            self.cached_tokens = response.num_cached_tokens
         self.completion_tokens += len(response.token_ids)
         self.text += response.text
         self.token_ids.extend(response.token_ids)
@@ -85,13 +86,6 @@ class Totals:
             self.finish_reason = openai_finish_reason(response.finish_reason)
             self.stop_reason = stop_reason(response)
         return self.finish_reason
-
-    def usage(self) -> Usage:
-        return Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            total_tokens=self.prompt_tokens + self.completion_tokens,
-        )
 
 
 async def observed(

@@ -153,10 +153,15 @@ class ChatCompletionRequest(SamplingFields):
 FinishReason = Literal["stop", "length"]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefill's prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class CompletionLogprobs(BaseModel):

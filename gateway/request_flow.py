@@ -145,6 +145,7 @@ class _Progress:
     history: bool = False  # decode needs the KV's token ids (the penalties count them)
     hide_stop_token: bool = True  # a stop token's text is not returned (include_stop_str_in_output off)
     stop_token_ids: frozenset[int] = frozenset()
+    cached_tokens: int = 0  # of the prompt's, from the prefill's prefix cache (first message)
 
     @classmethod
     def of(
@@ -204,6 +205,7 @@ class _Progress:
             reason,
             request_id=self.request_id if first else "",
             num_prompt_tokens=len(self.prompt_ids) if first else 0,
+            num_cached_tokens=self.cached_tokens if first else 0,
         )
         response.logprobs.extend(logprobs[: len(chunk.token_ids)])
         if first:
@@ -306,6 +308,8 @@ class RequestFlow:
                 for choice in choices_params(params)
             ]
             answers = choice_answers(first, params.n)
+        for r in runs:
+            r.cached_tokens = first.cached_tokens
         parked = [_park(prefill, a.kv_handle) if a.HasField("kv_handle") else None for a in answers]
         try:
             streams = [
@@ -654,7 +658,11 @@ def _join(a: TextChunk, b: TextChunk) -> TextChunk:
 
 
 def _response(
-    chunk: TextChunk, reason: str | None, request_id: str = "", num_prompt_tokens: int = 0
+    chunk: TextChunk,
+    reason: str | None,
+    request_id: str = "",
+    num_prompt_tokens: int = 0,
+    num_cached_tokens: int = 0,
 ) -> gateway_pb2.GenerateResponse:
     return gateway_pb2.GenerateResponse(
         token_ids=chunk.token_ids,
@@ -662,4 +670,5 @@ def _response(
         finish_reason=reason or "",
         request_id=request_id,
         num_prompt_tokens=num_prompt_tokens,
+        num_cached_tokens=num_cached_tokens,
     )

@@ -167,6 +167,39 @@ def test_completion_of_token_ids_equals_grpc(http_stack: HttpStack) -> None:
         assert result.usage is not None and result.usage.prompt_tokens == len(ids)
 
 
+def test_usage_counts_the_prompt_tokens_taken_from_the_prefix_cache(http_stack: HttpStack) -> None:
+    """As OpenAI and vLLM: ``usage.prompt_tokens_details.cached_tokens`` (whole 16-token blocks the
+    prefill did not compute again; the prompt's last token always runs)."""
+    ids = [(7 * i + 11) % 900 + 3 for i in range(40)]
+    fresh = http_stack.client.completions.create(model=MODEL_ID, prompt=ids, max_tokens=2, temperature=0)
+    again = http_stack.client.completions.create(model=MODEL_ID, prompt=ids, max_tokens=2, temperature=0)
+    streamed = list(
+        http_stack.client.chat.completions.create(
+            model=MODEL_ID,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=2,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert fresh.usage is not None and again.usage is not None
+    assert fresh.usage.prompt_tokens_details is not None and again.usage.prompt_tokens_details is not None
+    assert (
+        fresh.usage.prompt_tokens_details.cached_tokens,
+        again.usage.prompt_tokens_details.cached_tokens,
+    ) == (
+        0,
+        32,
+    )
+    assert again.choices[0].text == fresh.choices[0].text
+    usage = streamed[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+    grpc_again = http_stack.grpc(prompt_token_ids=ids, max_tokens=2, temperature=0.0)
+    assert [c.num_cached_tokens for c in grpc_again.chunks] == [32] + [0] * (len(grpc_again.chunks) - 1)
+
+
 def test_eos_is_stop_and_ignore_eos_runs_on(http_stack: HttpStack) -> None:
     ended = http_stack.client.completions.create(
         model=MODEL_ID, prompt=EOS_PROMPT, max_tokens=8, temperature=0

@@ -47,11 +47,14 @@ def test_shared_prefixes_hit_and_stay_exact(stack: Stack, reference_models: Any)
     system = prompt(1, 30)  # 3 full blocks, and 6 tokens more
     before = prefill_metrics(stack)
     prompts = [[*system, *prompt(10 + i, 5)] for i in range(3)]
+    reported = []
     for p in prompts:
         result = run(stack.address, make_request(prompt_token_ids=p, max_tokens=6, temperature=0.0))
         assert result.token_ids == reference_tokens(model, p, 6)
+        reported.append(result.chunks[0].num_cached_tokens)
     whole = run(stack.address, make_request(prompt_token_ids=prompts[0], max_tokens=1, temperature=0.0))
     assert whole.token_ids == reference_tokens(model, prompts[0], 1)
+    assert [*reported, whole.chunks[0].num_cached_tokens] == [0, 24, 24, 32]  # set on the first message
     after = prefill_metrics(stack)
     queries = (
         after["pdserve_prefill_prefix_cache_queries_total"]

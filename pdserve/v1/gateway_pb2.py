@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import sampling_pb2 as pdserve_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x19pdserve/v1/sampling.proto\"\x9a\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1b\n\x13\x61pply_chat_template\x18\x05 \x01(\x08\"\xa8\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\r\n\x05index\x18< \x01(\r\x12+\n\x08logprobs\x18( \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18) \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\x0bstop_string\x18\x1e \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x1f \x01(\x05H\x00\x42\r\n\x0bstop_reason2R\n\x07Gateway\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x19pdserve/v1/sampling.proto\"\x9a\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1b\n\x13\x61pply_chat_template\x18\x05 \x01(\x08\"\xc3\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\r\n\x05index\x18< \x01(\r\x12+\n\x08logprobs\x18( \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18) \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\x0bstop_string\x18\x1e \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x1f \x01(\x05H\x00\x42\r\n\x0bstop_reason2R\n\x07Gateway\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=68
   _globals['_GENERATEREQUEST']._serialized_end=222
   _globals['_GENERATERESPONSE']._serialized_start=225
-  _globals['_GENERATERESPONSE']._serialized_end=521
-  _globals['_GATEWAY']._serialized_start=523
-  _globals['_GATEWAY']._serialized_end=605
+  _globals['_GENERATERESPONSE']._serialized_end=548
+  _globals['_GATEWAY']._serialized_start=550
+  _globals['_GATEWAY']._serialized_end=632
 # @@protoc_insertion_point(module_scope)
