@@ -17,9 +17,11 @@
 # pdserve-colocated pdserve-2p-prefix pdserve-2p-least-load; also pdserve-eager), WORKLOADS
 # (reference shared-prefix mixed);
 # reference: NUM_PROMPTS (32), CONCURRENCY (32), INPUT_LEN (64), OUTPUT_LEN (64);
-# shared-prefix: PREFIX_LEN (1024), SUFFIX_LEN (32), PREFIX_OUTPUT_LEN (32), PREFIX_REQUESTS (64),
-# PREFIX_CONCURRENCY (16); mixed: MIXED_DURATION_S (40), MIXED_STREAMS (16), MIXED_INPUT_LEN (64),
-# MIXED_OUTPUT_LEN (128), LONG_INPUT_LEN (1024), LONG_OUTPUT_LEN (8);
+# shared-prefix: PREFIX_LEN (1024), PREFIX_GROUPS (1: one prefix), SUFFIX_LEN (32), PREFIX_OUTPUT_LEN
+# (32), PREFIX_REQUESTS (64), PREFIX_CONCURRENCY (16); mixed: MIXED_DURATION_S (40), MIXED_STREAMS
+# (16), MIXED_INPUT_LEN (64), MIXED_OUTPUT_LEN (128), LONG_INPUT_LEN (1024), LONG_OUTPUT_LEN (8);
+# PDSERVE_* settings in the environment reach every pdserve system (PDSERVE_PREFIX_CACHE_TOKENS=5120
+# bounds each prefill's prefix cache, as for the routing comparison in the README);
 # VLLM_PORT (18000), TSERVE_PORT (18001), PDSERVE_HTTP_PORT (18002), VLLM_MAX_MODEL_LEN (2048),
 # READY_TIMEOUT_S (600: a cold pdserve compiles at start-up).
 # Results: $PEERS_DIR/results/RUN/WORKLOAD/SYSTEM.json (pdserve bench --json) and RUN/table.md.
@@ -34,6 +36,7 @@ CONCURRENCY=${CONCURRENCY:-32}
 INPUT_LEN=${INPUT_LEN:-64}
 OUTPUT_LEN=${OUTPUT_LEN:-64}
 PREFIX_LEN=${PREFIX_LEN:-1024}
+PREFIX_GROUPS=${PREFIX_GROUPS:-1}
 SUFFIX_LEN=${SUFFIX_LEN:-32}
 PREFIX_OUTPUT_LEN=${PREFIX_OUTPUT_LEN:-32}
 PREFIX_REQUESTS=${PREFIX_REQUESTS:-64}
@@ -116,7 +119,8 @@ start_vllm() {
         VLLM_CPU_OMP_THREADS_BIND=auto VLLM_CACHE_ROOT="$PEERS_DIR/cache/vllm" \
         TORCHINDUCTOR_CACHE_DIR="$PEERS_DIR/cache/inductor" \
         "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --dtype float32 \
-        --max-model-len "$VLLM_MAX_MODEL_LEN" --host 127.0.0.1 --port "$VLLM_PORT" >"$LOGS/vllm-$RUN.log" 2>&1 &
+        --max-model-len "$VLLM_MAX_MODEL_LEN" --enable-prompt-tokens-details --host 127.0.0.1 \
+        --port "$VLLM_PORT" >"$LOGS/vllm-$RUN.log" 2>&1 &
     SERVER_PID=$!
 }
 
@@ -151,8 +155,8 @@ workload_args() {  # WORKLOAD: the bench flags of one workload
     case $1 in
     reference) echo --num-prompts "$NUM_PROMPTS" --concurrency "$CONCURRENCY" --input-len "$INPUT_LEN" \
         --output-len "$OUTPUT_LEN" --num-warmup 1 ;;
-    shared-prefix) echo --workload shared-prefix --prefix-len "$PREFIX_LEN" --suffix-len "$SUFFIX_LEN" \
-        --prefix-output-len "$PREFIX_OUTPUT_LEN" --prefix-requests "$PREFIX_REQUESTS" \
+    shared-prefix) echo --workload shared-prefix --prefix-len "$PREFIX_LEN" --prefix-groups "$PREFIX_GROUPS" \
+        --suffix-len "$SUFFIX_LEN" --prefix-output-len "$PREFIX_OUTPUT_LEN" --prefix-requests "$PREFIX_REQUESTS" \
         --prefix-concurrency "$PREFIX_CONCURRENCY" --num-warmup 1 ;;
     mixed) echo --workload mixed --mixed-duration-s "$MIXED_DURATION_S" --mixed-streams "$MIXED_STREAMS" \
         --mixed-input-len "$MIXED_INPUT_LEN" --mixed-output-len "$MIXED_OUTPUT_LEN" \

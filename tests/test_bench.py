@@ -200,6 +200,7 @@ def test_compare_table_divides_by_the_baseline() -> None:
             "tpot_ms": stats,
             "itl_ms": stats,
             "output_tokens_per_cpu_s": None,
+            "prefix_hit_rate": 0.5 if tok_s > 1000 else None,
         }
 
     text = table([("vllm", result(900.0)), ("pdserve", result(1350.0))], baseline="vllm")
@@ -209,6 +210,7 @@ def test_compare_table_divides_by_the_baseline() -> None:
     assert header[:4] == ["system", "ok/failed", "out tok/s", "x baseline"]
     assert vllm_row[:4] == ["vllm", "32/0", "900.0", "1.00"]
     assert pdserve_row[:4] == ["pdserve", "32/0", "1350.0", "1.50"] and pdserve_row[-1] == "-"
+    assert (header[-2], vllm_row[-2], pdserve_row[-2]) == ("prefix hits", "-", "0.500")
     with pytest.raises(ValueError, match="baseline"):
         table([("vllm", result(1.0))], baseline="sglang")
 
@@ -225,6 +227,21 @@ def test_shared_prefix_requests_share_one_prefix_and_are_seeded() -> None:
     assert len({tuple(r.prompt[40:]) for r in [warm, *requests]}) == 9  # own tokens differ
     assert shared_prefix_requests(8, 40, 5, 7, 0, ids) == (warm, requests)
     assert shared_prefix_requests(8, 40, 5, 7, 1, ids)[0].prompt[:40] != prefix
+
+
+def test_shared_prefix_groups_spread_the_requests_evenly_in_a_seeded_order() -> None:
+    ids = np.arange(3, 500)
+    warm, requests = shared_prefix_requests(12, 40, 5, 7, 0, ids, groups=3)
+    assert shared_prefix_requests(12, 40, 5, 7, 0, ids, groups=3) == (warm, requests)
+    heads = [tuple(r.prompt[:40]) for r in requests]
+    assert len(set(heads)) == 3 and sorted(heads.count(h) for h in set(heads)) == [4, 4, 4]
+    assert tuple(warm.prompt[:40]) in heads
+    assert heads != sorted(heads, key=heads.index), "the groups are interleaved, not in runs"
+    assert [len(r.prompt) for r in requests] == [45] * 12
+    with pytest.raises(ValueError, match="groups"):
+        shared_prefix_requests(2, 4, 1, 1, 0, ids, groups=0)
+    with pytest.raises(ValueError, match="prefix_groups"):
+        BenchConfig(workload="shared-prefix", prefix_groups=0)
 
 
 def test_mixed_prompts_depend_on_seed_and_index_only() -> None:
@@ -272,7 +289,12 @@ async def _paced_completions(request: web.Request) -> web.StreamResponse:
             await asyncio.sleep(GAP_S)
         event = {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
         await response.write(f"data: {json.dumps(event)}\n\n".encode())
-    usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": 4, "total_tokens": 0}
+    usage = {
+        "prompt_tokens": len(body["prompt"]),
+        "completion_tokens": 4,
+        "total_tokens": 0,
+        "prompt_tokens_details": {"cached_tokens": len(body["prompt"]) - 1},
+    }
     await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
     return response
 
@@ -318,6 +340,7 @@ def test_chunks_are_timed_and_arrivals_are_kept(paced_server: str) -> None:
         assert rec.latency_s == pytest.approx(rec.ttft_s + sum(rec.itl_s))
         assert rec.generated_text == "abc" and rec.num_chunks == 3 and rec.output_tokens == 4
     assert [r.prompt_len for r in records] == [3, 2]
+    assert [r.cached_tokens for r in records] == [2, 1]
     assert records[1].start_s - records[0].start_s >= 0.5
 
 
@@ -360,6 +383,8 @@ RESULT_KEYS = {
     "failed",
     "total_input_tokens",
     "total_output_tokens",
+    "total_cached_tokens",
+    "prefix_hit_rate",
     "request_throughput",
     "output_throughput",
     "total_token_throughput",
@@ -455,6 +480,9 @@ def test_bench_shared_prefix_and_mixed_against_pdserve(http_stack: Stack, cache_
     )
     assert (shared["completed"], shared["failed"], shared["total_output_tokens"]) == (6, 0, 18)
     assert [r["prompt_len"] for r in shared["requests"]] == [44] * 6
+    # The warm-up cached the prefix's two whole blocks; every measured request reads them.
+    assert [r["cached_tokens"] for r in shared["requests"]] == [32] * 6
+    assert shared["prefix_hit_rate"] == pytest.approx(32 / 44)
     mixed = run_bench(
         http_stack,
         cache_dir,

@@ -134,6 +134,7 @@ async def _run_workload(
             config.prefix_output_len,
             config.seed,
             ids,
+            config.prefix_groups,
         )
         await warm_up(session, target, first, config.num_warmup, count_tokens)
         meter.start()

@@ -5,7 +5,8 @@
 Each row is one system; the ratio column divides its output tok/s by the baseline's (the first
 row unless ``--baseline`` names another). Rows named ``WORKLOAD/SYSTEM`` are compared within
 their workload: the baseline of ``mixed/pdserve`` is ``mixed/BASELINE`` (or the workload's first
-row). The mixed workload's rows also show the long prompts' TTFT p50.
+row). The mixed workload's rows also show the long prompts' TTFT p50; a server that reports cached
+prompt tokens shows its prefix cache hit rate.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ COLUMNS = (
     ("ITL p50", ">"),
     ("ITL p99", ">"),
     ("long TTFT p50", ">"),
+    ("prefix hits", ">"),
     ("tok/CPU-s", ">"),
 )
 
@@ -66,6 +68,7 @@ def table(results: Sequence[tuple[str, dict[str, Any]]], baseline: str = "") -> 
                 _fmt(result["itl_ms"]["p50"]),
                 _fmt(result["itl_ms"].get("p99")),
                 _fmt(long["ttft_ms"]["p50"] if isinstance(long, dict) else None),
+                _fmt(result.get("prefix_hit_rate"), 3),
                 _fmt(result.get("output_tokens_per_cpu_s")),
             ]
         )

@@ -66,7 +66,14 @@ class BenchConfig:
             "knobs) or mixed (--mixed-* and --long-* knobs); the last two send token-id prompts"
         },
     )
-    prefix_len: int = field(default=1024, metadata={"help": "shared-prefix: tokens of the one shared prefix"})
+    prefix_len: int = field(default=1024, metadata={"help": "shared-prefix: tokens of each shared prefix"})
+    prefix_groups: int = field(
+        default=1,
+        metadata={
+            "help": "shared-prefix: distinct prefixes; the requests are spread evenly over them and "
+            "sent in a seeded random order (SGLang's generated-shared-prefix groups)"
+        },
+    )
     suffix_len: int = field(default=32, metadata={"help": "shared-prefix: tokens of each request's own"})
     prefix_output_len: int = field(default=32, metadata={"help": "shared-prefix: max_tokens per request"})
     prefix_requests: int = field(default=64, metadata={"help": "shared-prefix: measured requests"})
@@ -156,6 +163,7 @@ class BenchConfig:
             )
         for name in (
             "prefix_len",
+            "prefix_groups",
             "suffix_len",
             "prefix_output_len",
             "prefix_requests",

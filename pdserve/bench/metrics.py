@@ -7,6 +7,9 @@
 - Throughput: completed requests and output tokens over the benchmark's wall time.
 - Goodput: completed requests per second whose TTFT, TPOT and E2E latency all meet the SLOs
   (a request with one output token has TPOT 0).
+- Prefix cache hit rate: prompt tokens the server says it took from its prefix cache
+  (``usage.prompt_tokens_details.cached_tokens``) over the prompt tokens of the completed requests;
+  None when no request's usage said.
 Percentiles interpolate linearly (``numpy.percentile``); an empty series reports 0.
 """
 
@@ -82,6 +85,13 @@ class BenchMetrics:
     slo_ms: dict[str, float] = field(default_factory=dict)
     num_good: int | None = None
     goodput: float | None = None
+    total_cached_tokens: int | None = None
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        if self.total_cached_tokens is None or not self.total_input_tokens:
+            return None
+        return self.total_cached_tokens / self.total_input_tokens
 
 
 def compute_metrics(
@@ -94,6 +104,7 @@ def compute_metrics(
     total_input = sum(r.prompt_len for r in done)
     total_output = sum(r.output_tokens for r in done)
     tpots = [t for t in (tpot_s(r) for r in done) if t is not None]
+    reported = [r.cached_tokens for r in done if r.cached_tokens is not None]
     num_good: int | None = None
     goodput: float | None = None
     if slo_ms:
@@ -115,4 +126,5 @@ def compute_metrics(
         slo_ms=dict(slo_ms or {}),
         num_good=num_good,
         goodput=goodput,
+        total_cached_tokens=sum(reported) if reported else None,
     )

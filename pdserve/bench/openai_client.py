@@ -5,8 +5,10 @@
 2. Each SSE ``data:`` event that carries a choice is one streamed chunk, even with empty text:
    the first one's arrival is the TTFT, the gaps between later ones are the ITLs, and the last
    one ends the request (vLLM's serving-benchmark definitions).
-3. The ``usage`` event gives ``completion_tokens`` and ``prompt_tokens`` (which then replaces
-   the workload's prompt length); ``[DONE]`` ends the stream.
+3. The ``usage`` event gives ``completion_tokens``, ``prompt_tokens`` (which then replaces
+   the workload's prompt length) and, where the server reports it,
+   ``prompt_tokens_details.cached_tokens`` (prompt tokens served from its prefix cache);
+   ``[DONE]`` ends the stream.
 A failed request is recorded with its error, never raised.
 """
 
@@ -38,6 +40,7 @@ class RequestRecord:
     num_chunks: int = 0
     output_tokens: int = 0
     usage_output_tokens: int | None = None
+    cached_tokens: int | None = None  # None: the server did not say
 
 
 def build_payload(
@@ -127,6 +130,9 @@ async def stream_request(
                         record.usage_output_tokens = int(usage["completion_tokens"])
                     if usage.get("prompt_tokens") is not None:
                         record.prompt_len = int(usage["prompt_tokens"])
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                        record.cached_tokens = int(details["cached_tokens"])
     except (aiohttp.ClientError, TimeoutError, ValueError) as error:
         record.error = f"{type(error).__name__}: {error}"
         return record

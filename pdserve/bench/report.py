@@ -33,6 +33,8 @@ def build_result(
         "failed": metrics.num_failed,
         "total_input_tokens": metrics.total_input_tokens,
         "total_output_tokens": metrics.total_output_tokens,
+        "total_cached_tokens": metrics.total_cached_tokens,
+        "prefix_hit_rate": metrics.prefix_hit_rate,
         "request_throughput": metrics.request_throughput,
         "output_throughput": metrics.output_throughput,
         "total_token_throughput": metrics.total_token_throughput,
@@ -58,6 +60,7 @@ def _request_row(record: RequestRecord) -> dict[str, Any]:
         "prompt_len": record.prompt_len,
         "max_tokens": record.max_tokens,
         "output_tokens": record.output_tokens if record.success else 0,
+        "cached_tokens": record.cached_tokens,
         "ttft_ms": record.ttft_s * MS_PER_S if record.success else None,
         "latency_ms": record.latency_s * MS_PER_S if record.success else None,
         "tpot_ms": tpot * MS_PER_S if tpot is not None else None,
@@ -87,6 +90,13 @@ def format_table(metrics: BenchMetrics, server_cpu_s: float | None = None, title
         _line("Benchmark duration (s)", metrics.duration_s),
         _line("Total input tokens", metrics.total_input_tokens),
         _line("Total generated tokens", metrics.total_output_tokens),
+    ]
+    if metrics.prefix_hit_rate is not None:
+        lines += [
+            _line("Cached prompt tokens", metrics.total_cached_tokens),
+            _line("Prefix cache hit rate", metrics.prefix_hit_rate),
+        ]
+    lines += [
         _line("Request throughput (req/s)", metrics.request_throughput),
         _line("Output token throughput (tok/s)", metrics.output_throughput),
         _line("Total token throughput (tok/s)", metrics.total_token_throughput),

@@ -127,17 +127,32 @@ def random_ids(rng: np.random.Generator, ids: np.ndarray, length: int) -> list[i
 
 
 def shared_prefix_requests(
-    num_prompts: int, prefix_len: int, suffix_len: int, output_len: int, seed: int, ids: np.ndarray
+    num_prompts: int,
+    prefix_len: int,
+    suffix_len: int,
+    output_len: int,
+    seed: int,
+    ids: np.ndarray,
+    groups: int = 1,
 ) -> tuple[BenchRequest, list[BenchRequest]]:
-    """A warm-up request and ``num_prompts`` measured ones: one prefix of ``prefix_len`` token ids
-    shared by all, each followed by ``suffix_len`` ids of its own (the warm-up's too)."""
+    """A warm-up request and ``num_prompts`` measured ones: ``groups`` prefixes of ``prefix_len``
+    token ids, request i on prefix ``i % groups`` followed by ``suffix_len`` ids of its own; with
+    more than one group the measured requests go in a seeded random order. The warm-up shares the
+    first prefix."""
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, got {groups}")
     rng = np.random.default_rng([seed, SHARED_PREFIX_STREAM])
-    prefix = random_ids(rng, ids, prefix_len)
+    prefixes = [random_ids(rng, ids, prefix_len) for _ in range(groups)]
     requests = [
-        BenchRequest(prefix + random_ids(rng, ids, suffix_len), prefix_len + suffix_len, output_len)
-        for _ in range(num_prompts + 1)
+        BenchRequest(
+            prefixes[i % groups] + random_ids(rng, ids, suffix_len), prefix_len + suffix_len, output_len
+        )
+        for i in range(num_prompts + 1)
     ]
-    return requests[0], requests[1:]
+    first, measured = requests[0], requests[1:]
+    if groups > 1:
+        measured = [measured[i] for i in rng.permutation(len(measured))]
+    return first, measured
 
 
 class MixedPrompts:
