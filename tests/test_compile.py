@@ -1,6 +1,8 @@
 """Compiled forwards (``--compile auto``, the default, compiles tiny-llama on CPU): the same greedy
-tokens, every compilation in the start-up warm-up, before the services are ready, and a later
-start loads the compiled code from the cache dir instead of compiling again."""
+tokens, every compilation in the start-up warm-up, before the services are ready (checked with
+``--recompile-in-serving``, under which a class the warm-up missed would compile while serving), and
+a later start loads the compiled code from the cache dir instead of compiling again, then stops
+compiling (by default a class its warm-up missed runs eagerly)."""
 
 from __future__ import annotations
 
@@ -39,8 +41,8 @@ def test_compiled_engines_match_generate(cache_dir: Path, tmp_path: Path, refere
         cache_dir,
         tmp_path,
         # The tests' services run eager unless asked (PDSERVE_COMPILE=false): auto is the default.
-        prefill_args=["--compile", "auto"],
-        decode_args=["--compile", "auto"],
+        prefill_args=["--compile", "auto", "--recompile-in-serving", "true"],
+        decode_args=["--compile", "auto", "--recompile-in-serving", "true"],
         ready_timeout_s=720,
     ).start()
     try:
@@ -93,6 +95,10 @@ def test_compiled_engines_match_generate(cache_dir: Path, tmp_path: Path, refere
             again.wait_ready(600)
             warm = cache_lookups(scrape(again.metrics))
             assert warm["hit"] > 0 and warm["miss"] == 0, warm
+            assert (
+                "warm-ups done: a shape class they did not compile runs eagerly"
+                in (tmp_path / "prefill-warm.log").read_text()
+            )
         finally:
             again.stop()
     finally:

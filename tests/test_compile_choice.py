@@ -20,6 +20,7 @@ from pdserve.model.compiled_forward import (
     RECOMPILE_LIMIT,
     CompiledForward,
     compile_model,
+    stop_compiling,
     use_compile_cache,
     warm_up_or_fall_back,
 )
@@ -129,3 +130,38 @@ def test_compiling_allows_every_shape_class_the_warm_ups_compile() -> None:
     thread.start()
     thread.join()
     assert seen == [RECOMPILE_LIMIT] and RECOMPILE_LIMIT > 8
+
+
+def test_after_the_warm_ups_a_shape_class_they_missed_runs_eagerly_and_compiles_nothing() -> None:
+    """``stop_compiling``: compiled code still serves the classes it was compiled for; a new class
+    (here a batch of one, which dynamo specialises) runs eagerly, with the same result, and no frame
+    is compiled for it. Without it (``--recompile-in-serving``) the new class compiles."""
+    from torch._dynamo.utils import counters
+
+    def frames() -> int:
+        return int(counters["frames"]["ok"])
+
+    torch._dynamo.reset()
+    module = torch.nn.Linear(4, 3)
+    forward = CompiledForward(module, torch.compile(module, dynamic=True, backend="eager"))
+    batch = torch.randn(5, 4)
+    forward(input=batch)
+    compiled = frames()
+    try:
+        stop_compiling()
+        with torch.no_grad():
+            assert torch.equal(forward(input=batch), module(batch))  # the compiled class
+            one = torch.randn(1, 4)
+            assert torch.equal(forward(input=one), module(one))  # a class nobody compiled: eager
+        assert frames() == compiled
+    finally:
+        torch.compiler.set_stance("default")
+    forward(input=torch.randn(1, 4))
+    assert frames() == compiled + 1  # compiling again: the class of one row compiles now
+    torch._dynamo.reset()
+
+
+def test_recompile_in_serving_is_an_engine_and_up_flag() -> None:
+    assert parse(EngineConfig, "--model", "m").recompile_in_serving is False
+    assert parse(EngineConfig, "--model", "m", "--recompile-in-serving").recompile_in_serving is True
+    assert parse(UpConfig, "--recompile-in-serving").recompile_in_serving is True

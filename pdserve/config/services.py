@@ -65,6 +65,13 @@ class EngineConfig:
     enforce_eager: bool = field(
         default=False, metadata={"help": "never compile: run the forwards eagerly (same as --compile false)"}
     )
+    recompile_in_serving: bool = field(
+        default=False,
+        metadata={
+            "help": "compiled forwards: compile a shape class the warm-up did not when a request first "
+            "needs it (the engine waits for the compilation); by default that forward runs eagerly"
+        },
+    )
     no_shared_prefix_attention: bool = field(
         default=False,
         metadata={

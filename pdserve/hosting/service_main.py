@@ -1,7 +1,8 @@
 """Runs a prefill, decode or colocated service: one process, or an expert-parallel group (``--ep``).
 
 One process: load the model, build the service's parts on one gRPC server, serve the metrics, warm
-up the compiled forwards (``--compile``), start the gRPC server, announce the ready line -> on
+up the compiled forwards (``--compile``; then the process compiles nothing more unless
+``--recompile-in-serving``), start the gRPC server, announce the ready line -> on
 SIGTERM/SIGINT drain (NOT_SERVING, new work refused, work in flight and what the service still
 holds given ``--grace-s``), stop the background tasks, close the parts.
 """
@@ -15,6 +16,7 @@ from typing import Any
 
 from pdserve.hosting.ep_service import serve_group
 from pdserve.hosting.service_kind import ServiceKind
+from pdserve.model.compiled_forward import stop_compiling
 from pdserve.model.engine_model import load_engine_model
 from pdserve.rpc.server import announce_ready, wait_for_stop_signal
 
@@ -32,6 +34,8 @@ async def serve_service(kind: ServiceKind, config: Any) -> None:
     parts = kind.build(config, engine_model, server, 0)
     metrics_servers = parts.serve_metrics(server_config.host)
     await asyncio.to_thread(parts.warm_up)
+    if engine_model.compiled and not config.engine.recompile_in_serving:
+        stop_compiling()
     await server.start()
     tasks = [asyncio.create_task(run()) for run in parts.background]
     announce_ready(

@@ -82,6 +82,10 @@ class UpConfig:
     enforce_eager: bool = field(
         default=False, metadata={"help": "engines never compile (same as --compile false)"}
     )
+    recompile_in_serving: bool = field(
+        default=False,
+        metadata={"help": "engines compile a shape class their warm-up did not when serving needs it"},
+    )
     no_shared_prefix_attention: bool = field(
         default=False,
         metadata={"help": "engines attend to a KV prefix their rows share row by row, not once for all"},
@@ -268,6 +272,8 @@ def service_command(config: UpConfig, spec: LaunchSpec) -> list[str]:
             command += ["--compile", config.compile]
         if config.enforce_eager:
             command += ["--enforce-eager", "true"]
+        if config.recompile_in_serving:
+            command += ["--recompile-in-serving", "true"]
         if config.no_shared_prefix_attention:
             command += ["--no-shared-prefix-attention", "true"]
         command += _set_only(dtype="" if config.dtype == "auto" else config.dtype)

@@ -8,6 +8,11 @@ building it again, and its warm-up takes seconds instead of a minute.
 torch.compile compiles at the first call of each shape class, that is in the start-up warm-up.
 A compilation that fails there (an operator inductor cannot lower, a C++ compiler missing) must not
 stop the service: the warm-up's error is logged as the reason, and the forwards run eagerly from then on.
+
+Once the warm-ups are done the process stops compiling (``stop_compiling``): a forward whose shape
+class no warm-up compiled (dynamo specialises on sizes 0 and 1, on sizes that happen to be equal, on
+which optional inputs are set) runs eagerly instead of holding the engine, and every request queued
+behind it, for a compilation of many seconds on a CPU. ``--recompile-in-serving`` keeps compiling.
 """
 
 from __future__ import annotations
@@ -75,6 +80,14 @@ class CompiledForward:
         """From now on the forwards run eagerly."""
         self._compiled = None
         self.fallback_reason = reason
+
+
+def stop_compiling() -> None:
+    """From now on this process runs compiled code where a compiled shape class fits and eagerly
+    where none does, compiling nothing more (torch's stance ``eager_on_recompile``, process-wide:
+    call it once every engine of the process has warmed up)."""
+    torch.compiler.set_stance("eager_on_recompile")
+    logger.info("warm-ups done: a shape class they did not compile runs eagerly (--recompile-in-serving)")
 
 
 def compile_model(model: Any, device: torch.device) -> CompiledForward:
