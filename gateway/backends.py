@@ -54,6 +54,7 @@ class Backend(Generic[StubT]):
     stub: StubT
     health: BackendHealth
     outstanding: int = 0  # calls in flight (what picks balance)
+    pending_tokens: int = 0  # prompt tokens its calls in flight are expected to compute (prefix routing)
     holds: int = 0  # requests holding something on it for later calls (a parked KV to release)
     _probe: asyncio.Task[None] | None = field(default=None, repr=False)
 

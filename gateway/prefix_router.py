@@ -9,11 +9,14 @@ what it sent where instead (as SGLang's cache-aware router and Dynamo's KV route
    i-1's hash, so one hash names a whole prefix.
 2. Each hash maps to the replicas a prompt with that prefix was routed to. A prompt's match on a
    replica is the number of its leading blocks whose hashes list the replica.
-3. The choice, among the serving replicas: the one with the longest match (the least outstanding
-   calls among equals). When that replica has more than ``--prefix-balance-threshold`` calls outstanding beyond
-   the least loaded one, or nothing matches, the least loaded replica is chosen instead: a popular
-   prefix never piles its requests on one replica; the other replica then computes it once and
-   holds it too.
+3. The choice, among the serving replicas: the one with the least prompt work, counted in tokens
+   (as Dynamo's KV router counts blocks): the tokens of this prompt it would compute (those past
+   its match) plus those its calls in flight are expected to compute (``pending_tokens``, what
+   this router predicted for them); the fewest outstanding calls among equals. A replica holding
+   the prefix wins until the work queued on it costs more than computing the prefix elsewhere.
+   When the choice has more than ``--prefix-balance-threshold`` calls outstanding beyond the least
+   loaded replica, that one is chosen instead: a popular prefix never piles its requests on one
+   replica; the other replica then computes it once and holds it too.
 4. The chosen replica is recorded under every block hash of the prompt.
 5. The index is bounded: at most ``--prefix-index-blocks`` hashes, least recently used evicted first. A
    prompt's blocks are touched last to first, so a chain is evicted from its tail and its head (the
@@ -40,17 +43,22 @@ class Replica(Protocol):
     @property
     def outstanding(self) -> int: ...
 
+    @property
+    def pending_tokens(self) -> int: ...
+
 
 R = TypeVar("R", bound=Replica)
 
 
 @dataclass(frozen=True)
 class Routed:
-    """One choice: the replica, the blocks of the prompt it was thought to hold, and why."""
+    """One choice: the replica, the blocks of the prompt it was thought to hold, the prompt tokens it
+    is expected to compute, and why."""
 
     address: str
     matched_blocks: int
-    outcome: str  # "prefix" (longest match), "balanced" (match overruled by load), "least-load" (no match)
+    outcome: str  # "prefix" (over a match), "balanced" (overruled by load), "least-load" (no match used)
+    new_tokens: int = 0
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
@@ -89,18 +97,17 @@ class PrefixRouter:
             raise ValueError("no replica to choose from")
         hashes = block_hashes(token_ids, self.config.prefix_block_size)
         matches = self._matches(hashes, candidates)
-        least = min(candidates, key=lambda c: c.outstanding)
-        best_match = max(matches.values(), default=0)
-        if best_match == 0:
-            chosen, outcome = least, "least-load"
-        else:
-            holders = [c for c in candidates if matches.get(c.address, 0) == best_match]
-            chosen = min(holders, key=lambda c: c.outstanding)
-            outcome = "prefix"
-            if chosen.outstanding - least.outstanding > self.config.prefix_balance_threshold:
-                chosen, outcome = least, "balanced"
+
+        def new_tokens(c: Replica) -> int:
+            return len(token_ids) - matches.get(c.address, 0) * self.config.prefix_block_size
+
+        least = min(candidates, key=lambda c: (c.outstanding, c.pending_tokens))
+        chosen = min(candidates, key=lambda c: (new_tokens(c) + c.pending_tokens, c.outstanding))
+        outcome = "prefix" if matches.get(chosen.address, 0) else "least-load"
+        if chosen.outstanding - least.outstanding > self.config.prefix_balance_threshold:
+            chosen, outcome = least, "balanced" if outcome == "prefix" else "least-load"
         self._record(hashes, chosen.address)
-        return chosen, Routed(chosen.address, matches.get(chosen.address, 0), outcome)
+        return chosen, Routed(chosen.address, matches.get(chosen.address, 0), outcome, new_tokens(chosen))
 
     def forget(self, address: str) -> None:
         """Drops every entry of ``address`` (a replica that left)."""

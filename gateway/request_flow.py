@@ -66,7 +66,7 @@ from gateway.backends import Backend, BackendPool, Chooser
 from gateway.choice_streams import choice_answers, choices_params, merged
 from gateway.decode_mux import DecodeFailure, DecodeMux, MuxedRequest
 from gateway.metrics import GatewayMetrics
-from gateway.prefix_router import PrefixRouter
+from gateway.prefix_router import PrefixRouter, Routed
 from gateway.prompt_input import PromptInput
 from gateway.request_metrics import RequestTimer
 from gateway.text_stream import TextChunk, TextStream
@@ -446,9 +446,14 @@ class RequestFlow:
         when there is none, the request is shed."""
         failed = list(avoid)
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            prefill = await self._pick(self._prefills, failed, delivered, self._prefill_chooser(request))
+            routed: list[Routed] = []
+            prefill = await self._pick(
+                self._prefills, failed, delivered, self._prefill_chooser(request, routed)
+            )
+            new_tokens = routed[-1].new_tokens if routed and routed[-1].address == prefill.address else 0
             timeout = deadline.remaining(delivered)
             prefill.outstanding += 1
+            prefill.pending_tokens += new_tokens
             sent_at = timer.now()
             call = prefill.stub.Prefill(request, timeout=timeout)
             try:
@@ -461,6 +466,7 @@ class RequestFlow:
                 failure = exc
             finally:
                 prefill.outstanding -= 1
+                prefill.pending_tokens -= new_tokens
             deadline.check(delivered)
             failed.append(prefill)
             if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -476,16 +482,18 @@ class RequestFlow:
         raise AssertionError("unreachable")
 
     def _prefill_chooser(
-        self, request: prefill_pb2.PrefillRequest
+        self, request: prefill_pb2.PrefillRequest, routed: list[Routed]
     ) -> Chooser[prefill_pb2_grpc.PrefillStub] | None:
-        """The prefix router's choice for ``request`` (None: the least loaded prefill)."""
+        """The prefix router's choice for ``request`` (None: the least loaded prefill); each choice
+        is appended to ``routed``."""
         router = self._prefill_router
         if router is None:
             return None
 
         def choose(serving: Sequence[PrefillBackend]) -> PrefillBackend:
-            chosen, routed = router.choose(request.prompt_token_ids, serving)
-            self._metrics.prefill_routes.labels(routed.outcome).inc()
+            chosen, choice = router.choose(request.prompt_token_ids, serving)
+            self._metrics.prefill_routes.labels(choice.outcome).inc()
+            routed.append(choice)
             return chosen
 
         return choose

@@ -20,6 +20,7 @@ BLOCK = 16
 class Replica:
     address: str
     outstanding: int = 0
+    pending_tokens: int = 0
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -88,6 +89,31 @@ def test_a_popular_prefix_spreads_once_its_replica_is_loaded() -> None:
     a.outstanding = 0
     chosen, routed = r.choose(prefix + tokens(7, 8), [a, b])
     assert chosen is a and routed.outcome == "prefix"
+
+
+def test_the_choice_weighs_the_prompt_work_in_tokens() -> None:
+    """A holder of the prefix wins while the work queued on it is less than computing the prefix
+    elsewhere; the tokens a replica is expected to compute are what the choice reports."""
+    r = router(prefix_balance_threshold=100)
+    a, b = Replica("a"), Replica("b")
+    prefix = tokens(0, 8 * BLOCK)
+    holder, routed = r.choose(prefix + tokens(1, BLOCK), [a, b])
+    assert routed.new_tokens == 9 * BLOCK  # nothing cached yet
+    other = b if holder is a else a
+    holder.outstanding, holder.pending_tokens = 3, 5 * BLOCK
+    chosen, routed = r.choose(prefix + tokens(2, BLOCK), [a, b])
+    assert chosen is holder and (routed.outcome, routed.new_tokens) == ("prefix", BLOCK)
+    # Queued work beyond the prefix's cost: the idle replica computes the prefix instead.
+    holder.pending_tokens = 9 * BLOCK
+    chosen, routed = r.choose(prefix + tokens(3, BLOCK), [a, b])
+    assert chosen is other and (routed.outcome, routed.new_tokens) == ("least-load", 9 * BLOCK)
+    # Both hold it now: the one with less work queued.
+    other.pending_tokens = 20 * BLOCK
+    chosen, routed = r.choose(prefix + tokens(4, BLOCK), [a, b])
+    assert chosen is holder and (routed.outcome, routed.new_tokens) == ("prefix", BLOCK)
+    # With no prefix in common, the replica with the least work queued in tokens.
+    chosen, _ = r.choose(tokens(5, 3 * BLOCK), [a, b])
+    assert chosen is holder
 
 
 def test_the_index_is_bounded_and_evicts_tails_first() -> None:

@@ -28,7 +28,7 @@ class PrefillRouting:
         metadata={"help": "prefix blocks the routing index remembers (least recently used evicted)"},
     )
     prefix_balance_threshold: int = field(
-        default=4,
+        default=16,
         metadata={
             "help": "calls in flight the prefix-matched prefill may have beyond the least loaded one "
             "before the least loaded one takes the request"
