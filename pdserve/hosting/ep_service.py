@@ -48,7 +48,6 @@ from pdserve.expert_parallel.lockstep import Lockstep
 from pdserve.expert_parallel.rank_model import ExpertSharding, RankModel, expert_parallel_model
 from pdserve.hosting.rank_router import DecodeRouter, PrefillRouter, RankChannels
 from pdserve.hosting.service_kind import RankParts, ServiceKind
-from pdserve.model.compiled_forward import stop_compiling
 from pdserve.model.engine_model import ForwardUnavailable, load_engine_model
 from pdserve.rpc.server import ServiceServer, announce_ready
 from pdserve.rpc.service_security import internal_client
@@ -203,8 +202,7 @@ class _RankRun:
         logger.info("expert-parallel rank %d of %d in step", group.rank, group.size)
         if self.rank_model.engine_model.compiled:
             await _warm_up(self.parts, group, self.lockstep, self.stop)
-            if not self.config.engine.recompile_in_serving:
-                stop_compiling()
+            self.rank_model.engine_model.end_warm_ups(self.config.engine.recompile_in_serving)
 
     async def serve_public(self) -> None:
         """Rank 0: the public port with the routers, and the group's ready line."""

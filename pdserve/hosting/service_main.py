@@ -16,7 +16,6 @@ from typing import Any
 
 from pdserve.hosting.ep_service import serve_group
 from pdserve.hosting.service_kind import ServiceKind
-from pdserve.model.compiled_forward import stop_compiling
 from pdserve.model.engine_model import load_engine_model
 from pdserve.rpc.server import announce_ready, wait_for_stop_signal
 
@@ -34,8 +33,7 @@ async def serve_service(kind: ServiceKind, config: Any) -> None:
     parts = kind.build(config, engine_model, server, 0)
     metrics_servers = parts.serve_metrics(server_config.host)
     await asyncio.to_thread(parts.warm_up)
-    if engine_model.compiled and not config.engine.recompile_in_serving:
-        stop_compiling()
+    engine_model.end_warm_ups(config.engine.recompile_in_serving)
     await server.start()
     tasks = [asyncio.create_task(run()) for run in parts.background]
     announce_ready(

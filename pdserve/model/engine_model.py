@@ -22,6 +22,7 @@ from pdserve.model.compile_choice import choose_compile
 from pdserve.model.compiled_forward import (
     CompiledForward,
     compile_model,
+    stop_compiling,
     use_compile_cache,
     warm_up_or_fall_back,
 )
@@ -61,6 +62,12 @@ class EngineModel:
         """Runs an engine's warm-up of compiled forwards (nothing when eager) and returns its duration;
         a compilation that fails makes the forwards eager (see ``compiled_forward``)."""
         return warm_up_or_fall_back(self.forward_module, warm_up, (ForwardUnavailable,))
+
+    def end_warm_ups(self, recompile_in_serving: bool) -> None:
+        """Called once every warm-up of the process is done: compiled forwards compile nothing more
+        (``stop_compiling``) unless ``recompile_in_serving``."""
+        if self.compiled and not recompile_in_serving:
+            stop_compiling()
 
     def forward(self, **inputs: Any) -> Any:
         """The model's forward on ``inputs``, run the way this engine runs forwards."""
