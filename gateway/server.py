@@ -28,6 +28,7 @@ from gateway.prompt_input import PromptInput
 from gateway.request_flow import RequestFlow
 from gateway.servicer import GatewayServicer
 from pdserve.config import GatewayConfig
+from pdserve.core.heap import freeze_heap
 from pdserve.core.limits import ModelLimits
 from pdserve.hosting.metrics_server import MetricsServer
 from pdserve.model.engine_model import eos_token_ids
@@ -116,6 +117,7 @@ async def serve(config: GatewayConfig, resolver: Resolver = resolve_dns) -> None
         await discovery.refresh()
     resolving = [asyncio.create_task(d.run()) for d in discoveries if d.by_name]
     await server.start()
+    freeze_heap("gateway")
     metrics_address = f"{config.server.public_host}:{metrics_server.port}"
     if http is None:
         announce_ready("gateway", grpc=server.address, metrics=metrics_address)

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from pdserve.core.heap import freeze_heap
 from pdserve.expert_parallel.deepep_setup import DeepEpRequest, DeepEpSetup, DeepEpStartError
 from pdserve.expert_parallel.ep_metrics import register_ep_metrics
 from pdserve.expert_parallel.group import EpGroup, internal_port
@@ -185,7 +186,7 @@ class _RankRun:
 
     async def join_group(self) -> None:
         """Every rank published, the process group formed, the dispatch chosen, the lockstep
-        running and (``--compile``) every rank warm."""
+        running, (``--compile``) every rank warm and its start-up heap out of the garbage collector."""
         group = self.group
         group.publish(self.info)
         if group.rank == 0:
@@ -203,6 +204,7 @@ class _RankRun:
         if self.rank_model.engine_model.compiled:
             await _warm_up(self.parts, group, self.lockstep, self.stop)
             self.rank_model.engine_model.end_warm_ups(self.config.engine.recompile_in_serving)
+        freeze_heap(f"{self.kind.command} rank {group.rank}")
 
     async def serve_public(self) -> None:
         """Rank 0: the public port with the routers, and the group's ready line."""

@@ -2,7 +2,7 @@
 
 One process: load the model, build the service's parts on one gRPC server, serve the metrics, warm
 up the compiled forwards (``--compile``; then the process compiles nothing more unless
-``--recompile-in-serving``), start the gRPC server, announce the ready line -> on
+``--recompile-in-serving``), keep the start-up heap out of the garbage collector, start the gRPC server, announce the ready line -> on
 SIGTERM/SIGINT drain (NOT_SERVING, new work refused, work in flight and what the service still
 holds given ``--grace-s``), stop the background tasks, close the parts.
 """
@@ -14,6 +14,7 @@ import contextlib
 import logging
 from typing import Any
 
+from pdserve.core.heap import freeze_heap
 from pdserve.hosting.ep_service import serve_group
 from pdserve.hosting.service_kind import ServiceKind
 from pdserve.model.engine_model import load_engine_model
@@ -34,6 +35,7 @@ async def serve_service(kind: ServiceKind, config: Any) -> None:
     metrics_servers = parts.serve_metrics(server_config.host)
     await asyncio.to_thread(parts.warm_up)
     engine_model.end_warm_ups(config.engine.recompile_in_serving)
+    freeze_heap(kind.command)
     await server.start()
     tasks = [asyncio.create_task(run()) for run in parts.background]
     announce_ready(
