@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from pdserve.core.heap import freeze_heap
+from tests.conftest import StackPool
 
 FROZE = re.compile(r"(\d+) start-up objects kept out of the garbage collector")
 
@@ -45,7 +46,7 @@ def test_freeze_collects_the_garbage_and_keeps_the_rest_out_of_later_collections
     assert not any(obj is alive for obj in gc.get_objects(generation=2))
 
 
-def test_every_service_of_a_stack_freezes_its_start_up_heap(stack_pool) -> None:  # type: ignore[no-untyped-def]
+def test_every_service_of_a_stack_freezes_its_start_up_heap(stack_pool: StackPool) -> None:
     stack = stack_pool.get("tiny-llama")
     for service in [*stack.prefills, *stack.decodes, stack.gateway]:
         found = FROZE.findall(service.log_path.read_text())

@@ -186,7 +186,8 @@ class _RankRun:
 
     async def join_group(self) -> None:
         """Every rank published, the process group formed, the dispatch chosen, the lockstep
-        running, (``--compile``) every rank warm and its start-up heap out of the garbage collector."""
+        running, (``--compile``) every rank warm, and its start-up heap out of the garbage
+        collector."""
         group = self.group
         group.publish(self.info)
         if group.rank == 0:

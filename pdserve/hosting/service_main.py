@@ -2,8 +2,8 @@
 
 One process: load the model, build the service's parts on one gRPC server, serve the metrics, warm
 up the compiled forwards (``--compile``; then the process compiles nothing more unless
-``--recompile-in-serving``), keep the start-up heap out of the garbage collector, start the gRPC server, announce the ready line -> on
-SIGTERM/SIGINT drain (NOT_SERVING, new work refused, work in flight and what the service still
+``--recompile-in-serving``), keep the start-up heap out of the garbage collector, start the gRPC
+server, announce the ready line -> on SIGTERM/SIGINT drain (NOT_SERVING, new work refused, work in flight and what the service still
 holds given ``--grace-s``), stop the background tasks, close the parts.
 """
 
