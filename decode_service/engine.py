@@ -8,13 +8,16 @@ Lifecycle of a request here:
    forward and samples a token for each, and the scheduler absorbs the tokens: each goes to its
    request's stream at once, and a finished request leaves and frees its blocks;
 4. a failed step ends every request it ran with the error; a stopped engine ends every request.
-Once nothing has run for ``context_idle_s``, the runner's batch context is freed (a burst's memory
-goes back; the next step allocates it anew).
+At start-up the runner's batch context is allocated for ``max_running`` rows of
+``RESERVED_POSITIONS`` (at most a ``RESERVED_POOL_SHARE``-th of the KV pool's tokens), so that a
+burst within it does not stall on fresh memory (``step_cache``). Once nothing has run for
+``context_idle_s``, the batch context is freed down to that reservation (a burst's memory goes back;
+the next step beyond it allocates anew).
 
 ``warm_up`` (``--compile``, before the service is ready) runs real steps, on the engine thread, of
 dummy sequences of zero KV through a scheduler of their own over the same pool and runner: one
-row, then rows of different lengths, a few steps each, so that every shape class of a step is
-compiled. Their blocks are freed when they end, and their steps are not counted in the metrics.
+row, then rows of different lengths (with one or two long ones, when steps may split rows by length),
+a few steps each, so that every shape class of a step is compiled. Their blocks are freed when they end, and their steps are not counted in the metrics.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from decode_service.scheduler import Scheduler
 from decode_service.sequence import DecodeSequence, Emission
 from pdserve.core.sampling import SamplingParams
 from pdserve.model.engine_model import EngineModel
+from pdserve.model.ragged_attention import split_rows
 from pdserve.model.warm_up import WarmUp
 
 logger = logging.getLogger(__name__)
@@ -43,6 +47,16 @@ logger = logging.getLogger(__name__)
 # The last one's rows share a prefix (their KV is all zeros): its steps attend to it once.
 WARM_UP_BATCHES: tuple[tuple[int, ...], ...] = ((7,), (9, 4), (6, 13, 3), (20, 18))
 WARM_UP_STEPS = 3
+# When steps may split rows by length (``ragged``), batches of short rows with one long row, then two,
+# whose steps split; the long rows' lengths at most (within the model's context length).
+RAGGED_WARM_UP: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (
+    ((2, 3, 4, 5, 6, 7), (600,)),
+    ((2, 3, 4, 5, 6, 7, 3, 4, 5, 6), (600, 590)),
+)
+# The batch context allocated at start-up: rows of this many positions, one per request the engine
+# may run, but at most a RESERVED_POOL_SHARE-th of the KV pool's tokens in all.
+RESERVED_POSITIONS = 256
+RESERVED_POOL_SHARE = 4
 
 
 class DecodeEngine:
@@ -55,12 +69,18 @@ class DecodeEngine:
         max_bypass: int = 0,
         context_idle_s: float = 10.0,
         shared_prefix: bool = False,
+        ragged: bool = False,
     ) -> None:
-        """``shared_prefix``: the model runs ``shared_prefix_attention`` (see ``StepRunner``)."""
+        """``shared_prefix``, ``ragged``: the model runs ``shared_prefix_attention`` (see ``StepRunner``)."""
         self._m = engine_model
         self._metrics = metrics
         self._pool = pool
-        self._runner = StepRunner(engine_model, pool, max_running, shared_prefix)
+        self._runner = StepRunner(engine_model, pool, max_running, shared_prefix, ragged)
+        self._ragged = ragged
+        pool_tokens = pool.num_blocks * pool.block_size
+        reserved_rows = min(max_running, pool_tokens // (RESERVED_POOL_SHARE * RESERVED_POSITIONS))
+        if reserved_rows:
+            self._runner.reserve(reserved_rows, RESERVED_POSITIONS)
         self._scheduler = Scheduler(pool, max_running, engine_model.limits.eos_token_ids, max_bypass)
         self._context_idle_s = context_idle_s
         self._idle_since: float | None = None
@@ -90,7 +110,10 @@ class DecodeEngine:
         self._inbox.put(request)
         seconds = request.wait()
         logger.info(
-            "decode warm-up: %s batches of %s steps in %.2f s", len(WARM_UP_BATCHES), WARM_UP_STEPS, seconds
+            "decode warm-up: %s batches of %s steps in %.2f s",
+            len(self._warm_up_batches()),
+            WARM_UP_STEPS,
+            seconds,
         )
         return seconds
 
@@ -184,14 +207,30 @@ class DecodeEngine:
         self._metrics.generated_tokens.inc(len(output.rows))
         if output.shared_prefix_tokens:
             self._metrics.shared_prefix_steps.inc()
+        if output.long_rows:
+            self._metrics.ragged_steps.inc()
         self._scheduler.absorb(output)
 
     def _warm_up(self) -> None:
         try:
-            for lengths in WARM_UP_BATCHES:
+            for lengths in self._warm_up_batches():
                 self._warm_up_batch([self._warm_up_sequence(i, n) for i, n in enumerate(lengths)])
         finally:
             self._runner.clear()
+
+    def _warm_up_batches(self) -> list[tuple[int, ...]]:
+        """The prompt lengths of each warm-up batch: ``WARM_UP_BATCHES``, and ``RAGGED_WARM_UP``'s
+        batches that split as meant (their long rows' lengths cut to the model's context length)."""
+        batches = list(WARM_UP_BATCHES)
+        if not self._ragged:
+            return batches
+        room = self._m.limits.max_model_len - WARM_UP_STEPS - 1
+        for short, long in RAGGED_WARM_UP:
+            lengths = (*short, *(min(n, room - i) for i, n in enumerate(long)))
+            split = split_rows([n + 1 for n in lengths])
+            if split is not None and len(split[1]) == len(long):
+                batches.append(lengths)
+        return batches
 
     def _warm_up_batch(self, rows: list[DecodeSequence]) -> None:
         """Runs ``rows`` until they end (after ``WARM_UP_STEPS``), uncounted, when they fit the pool."""

@@ -57,6 +57,11 @@ class DecodeMetrics:
             "Decode steps that attended to a KV prefix all their rows share once for all of them",
             registry=registry,
         )
+        self.ragged_steps = Counter(
+            "pdserve_decode_ragged_steps",
+            "Decode steps whose few long rows attended apart from the short ones, which read fewer positions",
+            registry=registry,
+        )
         self.step_seconds = Histogram(
             "pdserve_decode_step_seconds",
             "Duration of decode steps (one forward of the running batch, sampling included)",

@@ -1,15 +1,17 @@
 """One decode step's forward: from the running rows to one sampled token per row.
 
-1. the batch context takes the rows (``step_cache.BatchContext``): a joining row's KV is copied in
-   from its blocks, a leaving row's place taken by the last row; the step runs the rows in the
-   context's order;
+1. the batch contexts take the rows (``batch_tiers``; each a ``step_cache.BatchContext``): a
+   joining row's KV is copied in from its blocks, a leaving row's place taken by the last row; the
+   step runs the short tier's rows in its context's order, then the long tier's (a few rows much
+   longer than the rest, when the runner may split rows by length);
 2. each row feeds its last token at its own position (its cached length), writes that position's
    KV to its pool slot, and attends to its own positions up to that one (the rest of the longest
    row's length is masked);
 3. one forward of all rows through ``EngineModel.forward`` over a ``StepCache``; when every row
    begins with the batch context's shared prefix (and the runner may), the forward attends to
    that prefix once for all rows and to each row's positions after it
-   (``pdserve.model.shared_prefix_attention``);
+   (``pdserve.model.shared_prefix_attention``); with a long tier, each tier attends over its own
+   positions in a call of its own (``pdserve.model.ragged_attention``);
 4. each row's token: the first maximum of its logits when greedy, else ``sample`` at its own step;
    a row whose request asks for logprobs gets its token's from the same logits
    (``pdserve.core.logprobs``; a step of rows that ask none computes none).
@@ -24,14 +26,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decode_service.batch_tiers import BatchTiers
 from decode_service.kv_pool import KvPool
 from decode_service.sequence import DecodeSequence
-from decode_service.step_cache import BatchContext, StepCache, StepLayer
+from decode_service.step_cache import LongTier, StepCache, StepLayer
 from pdserve.core.grammar import apply_masks
 from pdserve.core.logits_processing import LogitsProcessor, pick
 from pdserve.core.logprobs import TokenLogprobs, rows_logprobs
 from pdserve.core.sampling import sample
 from pdserve.model.engine_model import EngineModel
+from pdserve.model.ragged_attention import RaggedRows
 from pdserve.model.shared_prefix_attention import SharedPrefix
 
 
@@ -42,71 +46,94 @@ class StepOutput:
     # Each row's token's logprobs (None for a row that asks none); empty when no row asks.
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     shared_prefix_tokens: int = 0  # positions of every row the step attended to once for all
+    long_rows: int = 0  # rows the step attended to apart from the short ones (the long tier)
 
 
 class StepRunner:
     def __init__(
-        self, engine_model: EngineModel, pool: KvPool, max_rows: int, shared_prefix: bool = False
+        self,
+        engine_model: EngineModel,
+        pool: KvPool,
+        max_rows: int,
+        shared_prefix: bool = False,
+        ragged: bool = False,
     ) -> None:
-        """``shared_prefix``: the model runs ``shared_prefix_attention`` (steps may attend to a prefix
-        their rows share once)."""
+        """``shared_prefix``: the model runs ``shared_prefix_attention`` and steps may attend to a
+        prefix their rows share once; ``ragged``: it runs it and steps may split rows by length."""
         self._m = engine_model
         self._pool = pool
-        self._context = BatchContext(pool, max_rows)
+        self._tiers = BatchTiers(pool, max_rows, engine_model.limits.max_model_len, ragged)
         self._shared_prefix = shared_prefix
         self._mask_value = torch.finfo(engine_model.kv_layout.dtype).min
 
     def run(self, rows: Sequence[DecodeSequence]) -> StepOutput:
         ordered = self._arrange(rows)
-        shared = self._context.shared_length() if self._shared_prefix else 0
+        tiers = self._tiers
+        shared = tiers.short.shared_length() if self._shared_prefix and not tiers.num_long else 0
         logits = self._forward(ordered, shared)
         counts = [seq.params.logprobs for seq in ordered]
         wanted = any(count is not None for count in counts)
         masked = any(seq.grammar is not None for seq in ordered)
         raw = logits.clone() if wanted and masked else logits  # logprobs are the model's, unmasked
         tokens = self._sample(logits, ordered)
-        if not wanted:
-            return StepOutput(ordered, tokens, shared_prefix_tokens=shared)
-        return StepOutput(ordered, tokens, rows_logprobs(raw, tokens, counts), shared)
+        logprobs = rows_logprobs(raw, tokens, counts) if wanted else []
+        return StepOutput(ordered, tokens, logprobs, shared, tiers.num_long)
 
     def clear(self) -> None:
-        """Forgets the rows of the batch context (nothing runs, or other rows will)."""
-        self._context.clear()
+        """Forgets the rows of the batch contexts (nothing runs, or other rows will)."""
+        self._tiers.clear()
 
     def release(self) -> None:
-        """Forgets the rows and frees the batch context's memory."""
-        self._context.release()
+        """Forgets the rows and frees the batch contexts' memory beyond the reservation."""
+        self._tiers.release()
+
+    def reserve(self, rows: int, positions: int) -> None:
+        """Allocates the short rows' batch context for ``rows`` rows of ``positions`` now and keeps it."""
+        self._tiers.short.reserve(rows, positions)
 
     @property
     def context_bytes(self) -> int:
-        return self._context.num_bytes
+        return self._tiers.num_bytes
 
     def _arrange(self, rows: Sequence[DecodeSequence]) -> list[DecodeSequence]:
-        """Syncs the batch context to ``rows``; the rows in the context's order."""
-        order = self._context.sync(
+        """Syncs the batch contexts to ``rows``; the rows in the step's order."""
+        order = self._tiers.sync(
             [s.serial for s in rows], [s.blocks for s in rows], [s.num_cached for s in rows]
         )
         return [rows[i] for i in order]
 
     def _forward(self, rows: Sequence[DecodeSequence], shared: int) -> torch.Tensor:
-        """The last position's logits of each row, ``[rows, vocab]``; ``shared``: the first positions
-        of every row to attend to once, from the batch context's shared prefix (0: none)."""
+        """The last position's logits of each row, ``[rows, vocab]``, the rows in the tiers' order;
+        ``shared``: the first positions of every row to attend to once, from the short tier's shared
+        prefix (0: none; only without a long tier)."""
         device = self._m.device
+        short = self._tiers.num_short
         lengths = torch.tensor([s.num_cached for s in rows], dtype=torch.long)
         length = int(lengths.max()) + 1
+        short_length = int(lengths[:short].max()) + 1
         write = torch.tensor([self._pool.slot(s.blocks, s.num_cached) for s in rows], dtype=torch.long)
         lengths_d = lengths.to(device)
-        extra = {}
+        mask = self._mask(lengths, length, shared).to(device)
+        cache = self._cache(write.to(device), lengths_d, short, short_length, length, shared)
+        extra: dict[str, SharedPrefix | RaggedRows] = {}
         if shared:
-            context = self._context
+            context = self._tiers.short
             extra["shared_prefix"] = SharedPrefix(
                 [k[:, :shared] for k in context.shared_keys], [v[:, :shared] for v in context.shared_values]
+            )
+        elif short < len(rows):
+            extra["ragged"] = RaggedRows(
+                mask[:short, ..., :short_length].clone(),
+                mask[short:].clone(),
+                torch.arange(short, device=device),
+                torch.arange(short, len(rows), device=device),
+                cache.step_layers,
             )
         out = self._m.forward(
             input_ids=torch.tensor([[s.last_token_id] for s in rows], dtype=torch.long, device=device),
             position_ids=lengths_d[:, None],
-            attention_mask=self._mask(lengths, length, shared).to(device),
-            cache=self._cache(len(rows), write.to(device), lengths_d, length, shared),
+            attention_mask=mask,
+            cache=cache,
             use_cache=True,
             **extra,
         )
@@ -122,20 +149,39 @@ class StepRunner:
         return mask
 
     def _cache(
-        self, num_rows: int, write: torch.Tensor, lengths: torch.Tensor, length: int, start: int
+        self,
+        write: torch.Tensor,
+        lengths: torch.Tensor,
+        short: int,
+        short_length: int,
+        long_length: int,
+        start: int,
     ) -> StepCache:
-        pool, context = self._pool, self._context
+        """The step's cache: the short tier's first ``short`` rows attend over ``short_length``
+        positions from ``start``; the rows after them are the long tier's, over ``long_length``."""
+        pool, tiers = self._pool, self._tiers
+        rows = len(lengths)
+        tier_rows = torch.arange(rows - short, device=lengths.device)
+        steps = torch.arange(short, rows, device=lengths.device)
+
+        def long_tier(layer: int) -> LongTier | None:
+            if short == rows:
+                return None
+            keys, values = tiers.long.keys[layer][: rows - short], tiers.long.values[layer][: rows - short]
+            return LongTier(keys, values, tier_rows, steps, lengths[short:], long_length)
+
         return StepCache(
             [
                 StepLayer(
                     pool.keys[i],
                     pool.values[i],
-                    context.keys[i][:num_rows],
-                    context.values[i][:num_rows],
+                    tiers.short.keys[i][:short],
+                    tiers.short.values[i][:short],
                     write,
-                    lengths,
-                    length,
+                    lengths[:short],
+                    short_length,
                     start,
+                    long_tier(i),
                 )
                 for i in range(pool.layout.num_layers)
             ]

@@ -29,7 +29,7 @@ from pdserve.hosting.service_kind import RankParts, ServiceKind
 from pdserve.hosting.service_main import serve_service
 from pdserve.kv import cuda_ipc, shared_memory
 from pdserve.model.engine_model import EngineModel
-from pdserve.model.shared_prefix_attention import enable_shared_prefix_attention
+from pdserve.model.shared_prefix_attention import enable_ragged_attention, enable_shared_prefix_attention
 from pdserve.rpc.server import ServiceServer
 from pdserve.rpc.service_security import internal_client
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
@@ -111,6 +111,7 @@ def build_decode(
         shared_prefix=enable_shared_prefix_attention(
             engine_model.model, config.engine.no_shared_prefix_attention, "decode"
         ),
+        ragged=enable_ragged_attention(engine_model.model, "decode"),
     )
     engine.start()
     servicer = DecodeServicer(

@@ -6,12 +6,19 @@ row per running request, kept across steps: each step writes its new token into 
 the batch context, in place. A request that joins takes a free row at the end and only its own KV
 is copied in (from its blocks); a request that leaves hands its row to the last row, whose KV is
 the only one to move. Every row is copied only when the context grows, which happens geometrically
-(rows doubled, up to the engine's most running requests; positions by ``CAPACITY_STEP``). A
-step's attention reads the first ``length`` positions of the live rows, the longest live context:
-its cost follows the live context, not a fixed maximum. Shorter rows are masked by the step's
-attention mask. The context keeps its memory when the running set empties, so that the next burst
-of requests does not pay for growing it again, until ``release`` (the engine calls it once nothing
-has run for ``--context-idle-s``): a burst's memory is given back.
+(rows doubled, up to the engine's most running requests; positions by half, in multiples of
+``CAPACITY_STEP``, up to the longest context a row can hold). A step's attention reads the first
+``length`` positions of the live rows, the longest live context: its cost follows the live context,
+not a fixed maximum. Shorter rows are masked by the step's attention mask. The context keeps its
+memory when the running set empties, so that the next burst of requests does not pay for growing
+it again, until ``release`` (the engine calls it once nothing has run for ``--context-idle-s``):
+a burst's memory is given back, down to what ``reserve`` set aside.
+
+Fresh memory costs its page faults when first written, and on a virtual machine these are slow
+(measured on the 2-core CPU machine: 20-490 ms to allocate and zero the 50 MB of 32 rows of the
+reference model, against 1-3 ms for memory touched before), so a context that grows in the middle
+of a burst stalls every running request. ``reserve`` allocates and touches a context up front (the
+engine does at start-up): a burst within it never grows.
 
 The context also keeps one shared prefix (``shared_keys``/``shared_values``, head-major, and a copy
 laid out as the rows are, to compare them with): the KV
@@ -25,6 +32,7 @@ of it (``shared_length``), a step attends to those positions once for all rows
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,11 +48,17 @@ MIN_SHARED_TOKENS = 16  # a shorter shared prefix is attended row by row
 class BatchContext:
     """The running rows' KV, contiguous per layer, row ``i`` holding ``serials[i]``'s positions."""
 
-    def __init__(self, pool: KvPool, max_rows: int) -> None:
+    def __init__(self, pool: KvPool, max_rows: int, max_positions: int = 0) -> None:
+        """``max_positions``: the most positions a row can hold (the model's context length; 0: no
+        bound), beyond which the context never grows."""
         if max_rows < 1:
             raise ValueError(f"a batch context needs rows, got max_rows={max_rows}")
+        if max_positions < 0:
+            raise ValueError(f"max_positions must be >= 0, got {max_positions}")
         self._pool = pool
         self._max_rows = max_rows
+        self._max_capacity = _round_up(max_positions + 1) if max_positions else 0
+        self._reserved = (0, 0)  # rows and capacity that release() keeps
         self.serials: list[int] = []  # the request (engine serial) of each live row, in row order
         self.capacity = 0  # positions per row
         self.keys: list[torch.Tensor] = []  # per layer [allocated rows, capacity, heads, width]
@@ -105,12 +119,37 @@ class BatchContext:
             self.shared_lengths[row] = self.shared_lengths.pop()
             self.num_rows_copied += 1
 
+    def reserve(self, rows: int, positions: int) -> None:
+        """Allocates and touches the context for at least ``rows`` rows (at most the engine's most
+        running requests) of ``positions`` positions now, and keeps that much from then on."""
+        rows = min(rows, self._max_rows)
+        capacity = _round_up(positions)
+        if self._max_capacity:
+            capacity = min(capacity, self._max_capacity)
+        if rows > self.allocated_rows or capacity > self.capacity:
+            self._allocate(max(rows, self.allocated_rows), max(capacity, self.capacity))
+        self._reserved = (self.allocated_rows, self.capacity)
+
     def _grow(self, rows: int, positions: int) -> None:
-        pool = self._pool
+        """Reallocates for ``rows`` rows of ``positions``: rows doubled and positions by half when
+        short, but never more than twice what is needed in either (a context that grew long for a few
+        rows does not keep that length for many, nor a reservation's rows for long ones)."""
         new_rows = self.allocated_rows
         if rows > new_rows:  # rows beyond --max-running would never be used
             new_rows = max(rows, min(2 * new_rows, self._max_rows), min(MIN_ROWS, self._max_rows))
-        capacity = max(self.capacity, -(-(positions + CAPACITY_STEP) // CAPACITY_STEP) * CAPACITY_STEP)
+        capacity = self.capacity
+        if positions > capacity:  # room for the step after too, and by half the context at least
+            capacity = max(_round_up(positions + CAPACITY_STEP), _round_up(capacity + capacity // 2))
+            if self._max_capacity:
+                capacity = max(min(capacity, self._max_capacity), _round_up(positions))
+        new_rows = min(new_rows, max(2 * rows, min(MIN_ROWS, self._max_rows)))
+        capacity = min(capacity, max(_round_up(2 * positions), _round_up(positions + CAPACITY_STEP)))
+        self._allocate(new_rows, capacity)
+
+    def _allocate(self, new_rows: int, capacity: int) -> None:
+        """Moves the context to zeroed memory of ``new_rows`` rows of ``capacity`` positions, every
+        live row with it."""
+        pool = self._pool
         live = len(self.serials)
 
         def grown(old: list[torch.Tensor], shapes: tuple[tuple[int, int], ...]) -> list[torch.Tensor]:
@@ -118,8 +157,9 @@ class BatchContext:
                 torch.zeros((new_rows, capacity, heads, width), dtype=pool.layout.dtype, device=pool.device)
                 for heads, width in shapes
             ]
+            kept = min(self.capacity, capacity)  # a shorter context still holds every live row
             for new_t, old_t in zip(new, old, strict=False):  # no old tensors at the first growth
-                new_t[:live, : self.capacity] = old_t[:live]
+                new_t[:live, :kept] = old_t[:live, :kept]
             return new
 
         self.keys = grown(self.keys, pool.layout.keys)
@@ -172,17 +212,41 @@ class BatchContext:
         self._forget_shared()
 
     def release(self) -> None:
-        """Forgets every row and gives the memory back; the next step allocates anew."""
+        """Forgets every row and gives the memory back, but for the reservation (allocated anew when
+        the context grew past it); the next step beyond it allocates anew."""
         self.serials = []
+        self._forget_shared()
+        if (self.allocated_rows, self.capacity) == self._reserved:
+            return
         self.keys = []
         self.values = []
         self.capacity = 0
-        self._forget_shared()
+        if self._reserved != (0, 0):
+            self._allocate(*self._reserved)
 
     @property
     def num_bytes(self) -> int:
         """Memory the context holds."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+def _round_up(positions: int) -> int:
+    """``positions`` rounded up to a multiple of ``CAPACITY_STEP``."""
+    return -(-positions // CAPACITY_STEP) * CAPACITY_STEP
+
+
+@dataclass(frozen=True)
+class LongTier:
+    """One layer of a step's long rows: their rows of the long tier's batch context ``[rows,
+    capacity, heads, width]``, their indices in it and in the step, each one's new position, and the
+    positions they attend over."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    rows: torch.Tensor
+    steps: torch.Tensor
+    lengths: torch.Tensor
+    length: int
 
 
 class StepLayer(CacheLayerMixin):
@@ -198,9 +262,12 @@ class StepLayer(CacheLayerMixin):
         lengths: torch.Tensor,
         length: int,
         start: int = 0,
+        long: LongTier | None = None,
     ) -> None:
-        """``start``: the positions before it are not returned (a shared prefix the step attends to
-        apart)."""
+        """``batch_keys``/``batch_values`` and ``lengths``: the step's first rows' (the short tier);
+        ``length``: the positions they attend over; ``start``: the positions before it are not
+        returned (a shared prefix the step attends to apart); ``long``: where the step's other rows
+        (the long tier, attended apart) take their new positions."""
         super().__init__()
         self._pool_keys = pool_keys
         self._pool_values = pool_values
@@ -208,9 +275,12 @@ class StepLayer(CacheLayerMixin):
         self._batch_values = batch_values
         self._write = write_slots  # [batch] pool slot of each row's new position
         self._rows = torch.arange(len(lengths), device=lengths.device)
-        self._lengths = lengths  # [batch] each row's new position
+        self._lengths = lengths  # [short rows] each row's new position
         self._length = length
         self._start = start
+        self._long = long
+        self.long_keys: torch.Tensor | None = None  # the long rows' [rows, heads, length, width]
+        self.long_values: torch.Tensor | None = None
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -223,8 +293,15 @@ class StepLayer(CacheLayerMixin):
         new_keys, new_values = key_states[:, :, 0], value_states[:, :, 0]
         self._pool_keys[self._write] = new_keys
         self._pool_values[self._write] = new_values
-        self._batch_keys[self._rows, self._lengths] = new_keys
-        self._batch_values[self._rows, self._lengths] = new_values
+        short = self._rows.shape[0]
+        self._batch_keys[self._rows, self._lengths] = new_keys[:short]
+        self._batch_values[self._rows, self._lengths] = new_values[:short]
+        if self._long is not None:
+            long = self._long
+            long.keys[long.rows, long.lengths] = new_keys.index_select(0, long.steps)
+            long.values[long.rows, long.lengths] = new_values.index_select(0, long.steps)
+            self.long_keys = long.keys[:, : long.length].transpose(1, 2)
+            self.long_values = long.values[:, : long.length].transpose(1, 2)
         self.keys = self._batch_keys[:, self._start : self._length].transpose(1, 2)
         self.values = self._batch_values[:, self._start : self._length].transpose(1, 2)
         return self.keys, self.values
@@ -242,3 +319,4 @@ class StepLayer(CacheLayerMixin):
 class StepCache(Cache):
     def __init__(self, layers: list[StepLayer]) -> None:
         super().__init__(layers=list(layers))
+        self.step_layers = layers

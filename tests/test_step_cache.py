@@ -161,3 +161,48 @@ def test_rows_double_up_to_the_most_running_requests() -> None:
         allocated.append(context.allocated_rows)
     assert sorted(set(allocated)) == [MIN_ROWS, 2 * MIN_ROWS, 20]
     requests.assert_context_holds_pool(context, context.serials)
+
+
+def test_a_reallocation_keeps_no_more_than_twice_what_is_needed() -> None:
+    pool = KvPool(LAYOUT, num_blocks=1024, block_size=4, device=torch.device("cpu"))
+    context, requests = BatchContext(pool, max_rows=64), Requests(pool)
+    requests.add(0, 300)  # one long row: a long context
+    requests.sync(context)
+    assert context.capacity > 300
+    requests.remove(0)
+    for serial in range(1, 3 * MIN_ROWS):  # many short rows: more rows, and no longer that long
+        requests.add(serial, 5)
+    rows = requests.sync(context)
+    assert context.allocated_rows >= 3 * MIN_ROWS - 1
+    assert context.capacity <= 2 * CAPACITY_STEP
+    requests.assert_context_holds_pool(context, rows)
+    # A reservation's rows are not kept for a long row either.
+    context.reserve(32, CAPACITY_STEP)
+    for serial in rows:
+        requests.remove(serial)
+    requests.add(100, 400)
+    rows = requests.sync(context)
+    assert context.capacity > 400 and context.allocated_rows <= MIN_ROWS
+    requests.assert_context_holds_pool(context, rows)
+
+
+def test_a_reservation_is_allocated_at_once_and_kept_by_release() -> None:
+    pool = KvPool(LAYOUT, num_blocks=256, block_size=4, device=torch.device("cpu"))
+    context, requests = BatchContext(pool, max_rows=16), Requests(pool)
+    context.reserve(32, 100)  # rows beyond the most running requests are not reserved
+    assert (context.allocated_rows, context.capacity) == (16, 2 * CAPACITY_STEP)
+    reserved = context.num_bytes
+    for serial in range(16):  # a burst within the reservation does not grow it
+        requests.add(serial, 20)
+    rows = requests.sync(context)
+    assert context.num_growths == 1
+    requests.assert_context_holds_pool(context, rows)
+    context.release()
+    assert context.num_bytes == reserved and context.serials == []
+    for serial in range(16):
+        requests.remove(serial)
+    requests.add(50, 200)  # beyond it: grows, and release goes back to the reservation
+    requests.sync(context)
+    assert context.capacity > 2 * CAPACITY_STEP
+    context.release()
+    assert (context.allocated_rows, context.capacity) == (16, 2 * CAPACITY_STEP)

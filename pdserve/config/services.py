@@ -353,7 +353,10 @@ class DecodeSettings:
     )
     context_idle_s: float = field(
         default=10.0,
-        metadata={"help": "seconds with nothing running after which the decode's batch context is freed"},
+        metadata={
+            "help": "seconds with nothing running after which the decode's batch context is freed, down to "
+            "what it reserved at start-up"
+        },
     )
 
     def check_decode(self) -> None:

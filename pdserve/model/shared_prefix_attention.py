@@ -11,7 +11,8 @@ Hydragen). The result is the attention over the whole context to float rounding.
 The function is registered with transformers' attention interface under ``IMPLEMENTATION`` (with
 the sdpa mask builder); a model switched to it (``use_shared_prefix_attention``) runs plain sdpa
 unless a forward passes ``shared_prefix=SharedPrefix(...)``, whose tensors its cache layers then
-leave out of the keys and values they return (the rows' own parts).
+leave out of the keys and values they return (the rows' own parts), or a decode step passes
+``ragged=RaggedRows(...)``: rows of very different lengths, split (``ragged_attention``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from pdserve.model.ragged_attention import RaggedRows, ragged_attention
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,18 @@ def enable_shared_prefix_attention(model: Any, off: bool, service: str) -> bool:
     return True
 
 
+def enable_ragged_attention(model: Any, service: str) -> bool:
+    """Whether ``service``'s decode steps may split rows of very different lengths
+    (``ragged_attention``): the model runs this module's attention, switched to it here when it can
+    be (a model left on sdpa by ``--no-shared-prefix-attention`` runs it as sdpa otherwise)."""
+    reason = use_shared_prefix_attention(model)
+    if reason is not None:
+        logger.info("%s: every row of a step attends over the longest row's length: %s", service, reason)
+        return False
+    logger.info("%s: a step's few long rows attend apart from its short ones", service)
+    return True
+
+
 def shared_prefix_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -85,11 +100,15 @@ def shared_prefix_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     shared_prefix: SharedPrefix | None = None,
+    ragged: RaggedRows | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention function: sdpa without ``shared_prefix``; with it, ``key``/``value``
     are the rows' own parts ``[rows, kv heads, own, width]`` and ``attention_mask`` covers at least
-    their positions (its last ``own`` ones are used). Returns ``[rows, queries, heads, width]``."""
+    their positions (its last ``own`` ones are used). Returns ``[rows, queries, heads, width]``.
+    ``ragged`` (without ``shared_prefix``): a decode step's rows split by length."""
+    if shared_prefix is None and ragged is not None:
+        return ragged_attention(module, query, key, value, ragged, dropout=dropout, scaling=scaling, **kwargs)
     if shared_prefix is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
