@@ -26,6 +26,7 @@ from pdserve.model.compiled_forward import (
     use_compile_cache,
     warm_up_or_fall_back,
 )
+from pdserve.model.packed_linear import can_pack_linear_weights, pack_linear_weights
 from pdserve.model.source import default_cache_dir, resolve_model_dir
 from pdserve.model.weight_layout import prefers_input_major, store_linear_weights_input_major
 
@@ -158,7 +159,9 @@ def load_engine_model(config: EngineConfig, before_move: Callable[[Any], None] |
         kv_layout = measure_kv_layout(model, torch.device("cpu"))
         before_move(model)
         model = model.to(device)
-    if prefers_input_major(device, dtype):
+    if not choice.enabled and can_pack_linear_weights(device, dtype):
+        logger.info("%d linear weights packed by oneDNN (eager forwards)", pack_linear_weights(model))
+    elif prefers_input_major(device, dtype):
         logger.info("%d linear weights stored input-major", store_linear_weights_input_major(model))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = ModelLimits.from_config(hf_config, config.max_model_len, eos_token_ids(model_dir, hf_config))

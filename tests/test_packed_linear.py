@@ -1,0 +1,62 @@
+"""Linear layers packed by oneDNN for eager forwards on a CPU: the same products as ``nn.Linear`` to
+float rounding, every unshared linear weight of a model replaced, and a model's greedy tokens
+unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pdserve.config import EngineConfig
+from pdserve.model.engine_model import load_engine_model
+from pdserve.model.packed_linear import PackedLinear, can_pack_linear_weights, pack_linear_weights
+from tests.test_equivalence import reference_tokens
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+
+def test_only_cpu_float32_is_packed() -> None:
+    assert can_pack_linear_weights(torch.device("cpu"), torch.float32)
+    assert not can_pack_linear_weights(torch.device("cpu"), torch.bfloat16)
+    assert not can_pack_linear_weights(torch.device("cuda", 0), torch.float32)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 48), (7, 48), (33, 48), (2, 5, 48), (0, 48)])
+def test_a_packed_linear_computes_what_nn_linear_does(bias: bool, shape: tuple[int, ...]) -> None:
+    generator = torch.Generator().manual_seed(len(shape) * 10 + shape[0])
+    linear = nn.Linear(48, 40, bias=bias)
+    packed = PackedLinear(linear)
+    x = torch.randn(*shape, generator=generator)
+    got = packed(x)
+    assert got.shape == (*shape[:-1], 40)
+    torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(packed.weight, linear.weight.detach())  # unpacked exactly
+
+
+def test_every_unshared_linear_weight_is_packed() -> None:
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 10, bias=False))
+    model[3].weight = model[0].weight  # an output projection tied to the embeddings
+    assert pack_linear_weights(model) == 1
+    assert isinstance(model[1], PackedLinear) and type(model[3]) is nn.Linear
+
+
+def test_an_eager_model_packs_its_weights_and_keeps_its_greedy_tokens(cache_dir: Path) -> None:
+    m = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false"))
+    packed = [module for module in m.model.modules() if isinstance(module, PackedLinear)]
+    assert len(packed) >= m.model.config.num_hidden_layers * 7  # q k v o, gate up down per layer
+    reference = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false"))
+    for module in list(reference.model.modules()):  # the same weights, unpacked
+        for name, child in list(module.named_children()):
+            if isinstance(child, PackedLinear):
+                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                plain.weight = nn.Parameter(child.weight)
+                plain.bias = child.bias
+                setattr(module, name, plain)
+    generator = torch.Generator().manual_seed(3)
+    for n in (1, 9, 40):
+        prompt = torch.randint(3, m.limits.vocab_size, (n,), generator=generator).tolist()
+        assert reference_tokens(m.model, prompt, 12) == reference_tokens(reference.model, prompt, 12)
