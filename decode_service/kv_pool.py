@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.kv.layout import KvLayout
+from pdserve.model.compiled_forward import static_dims
 
 
 class KvPool:
@@ -27,9 +28,14 @@ class KvPool:
         self.num_blocks = num_blocks
         self.device = device
         num_slots = num_blocks * block_size
-        self.keys = [torch.zeros(num_slots, h, w, dtype=layout.dtype, device=device) for h, w in layout.keys]
+        # Heads and width are the model's: constants of a compiled step (see ``static_dims``).
+        self.keys = [
+            static_dims(torch.zeros(num_slots, h, w, dtype=layout.dtype, device=device), 1, 2)
+            for h, w in layout.keys
+        ]
         self.values = [
-            torch.zeros(num_slots, h, w, dtype=layout.dtype, device=device) for h, w in layout.values
+            static_dims(torch.zeros(num_slots, h, w, dtype=layout.dtype, device=device), 1, 2)
+            for h, w in layout.values
         ]
         self._free = list(range(num_blocks - 1, -1, -1))
 

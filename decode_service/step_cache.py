@@ -39,6 +39,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from decode_service.kv_pool import KvPool
+from pdserve.model.compiled_forward import static_dims
 
 CAPACITY_STEP = 64  # the batch context grows by at least this many positions at a time
 MIN_ROWS = 8  # rows of a batch context when first allocated
@@ -153,8 +154,14 @@ class BatchContext:
         live = len(self.serials)
 
         def grown(old: list[torch.Tensor], shapes: tuple[tuple[int, int], ...]) -> list[torch.Tensor]:
-            new = [
-                torch.zeros((new_rows, capacity, heads, width), dtype=pool.layout.dtype, device=pool.device)
+            new = [  # heads and width: the model's, constants of a compiled step (see ``static_dims``)
+                static_dims(
+                    torch.zeros(
+                        (new_rows, capacity, heads, width), dtype=pool.layout.dtype, device=pool.device
+                    ),
+                    2,
+                    3,
+                )
                 for heads, width in shapes
             ]
             kept = min(self.capacity, capacity)  # a shorter context still holds every live row
@@ -187,6 +194,7 @@ class BatchContext:
             heads_first = []
             for t in self._shared_rows:
                 spare = torch.empty((t.shape[1], length + 1, t.shape[2]), dtype=t.dtype, device=t.device)
+                static_dims(spare, 0, 2)
                 spare[:, :length].copy_(t.transpose(0, 1))
                 heads_first.append(spare)
             self.shared_keys, self.shared_values = (
@@ -271,8 +279,12 @@ class StepLayer(CacheLayerMixin):
         super().__init__()
         self._pool_keys = pool_keys
         self._pool_values = pool_values
-        self._batch_keys = batch_keys
-        self._batch_values = batch_values
+        # Views of the batch context: compiled code sees their sizes apart from their base's.
+        self._batch_keys = static_dims(batch_keys, 2, 3)
+        self._batch_values = static_dims(batch_values, 2, 3)
+        if long is not None:
+            static_dims(long.keys, 2, 3)
+            static_dims(long.values, 2, 3)
         self._write = write_slots  # [batch] pool slot of each row's new position
         self._rows = torch.arange(len(lengths), device=lengths.device)
         self._lengths = lengths  # [short rows] each row's new position

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from decode_service.kv_pool import KvPool
-from decode_service.step_cache import CAPACITY_STEP, MIN_ROWS, BatchContext
+from decode_service.step_cache import CAPACITY_STEP, MIN_ROWS, BatchContext, StepLayer
 from pdserve.kv.layout import KvLayout
+from pdserve.model.shared_prefix_attention import SharedPrefix
 
 # Two layers; the second caches keys and values of different widths (as MLA models do).
 LAYOUT = KvLayout(keys=((2, 4), (1, 6)), values=((2, 4), (1, 3)), dtype=torch.float32)
@@ -206,3 +207,22 @@ def test_a_reservation_is_allocated_at_once_and_kept_by_release() -> None:
     assert context.capacity > 2 * CAPACITY_STEP
     context.release()
     assert (context.allocated_rows, context.capacity) == (16, 2 * CAPACITY_STEP)
+
+
+def static_indices(tensor: torch.Tensor) -> set[int]:
+    return set(getattr(tensor, "_dynamo_static_indices", set()))
+
+
+def test_heads_and_width_are_constants_of_a_compiled_step() -> None:
+    # Compiled with dynamic sizes, they would be tied to rows or positions that happen to equal them.
+    pool, context, requests = make()
+    assert all(static_indices(t) == {1, 2} for t in (*pool.keys, *pool.values))
+    for serial in range(3):
+        requests.add(serial, CAPACITY_STEP + 5)  # grown: new tensors
+    requests.sync(context)
+    assert all(static_indices(t) == {2, 3} for t in (*context.keys, *context.values))
+    view = context.keys[0][:2]
+    StepLayer(pool.keys[0], pool.values[0], view, context.values[0][:2], torch.zeros(2), torch.zeros(2), 4)
+    assert static_indices(view) == {2, 3}
+    prefix = SharedPrefix([torch.zeros(2, 8, 4)], [torch.zeros(2, 8, 4)])
+    assert static_indices(prefix.keys[0]) == static_indices(prefix.values[0]) == {0, 2}

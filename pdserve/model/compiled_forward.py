@@ -90,6 +90,20 @@ def stop_compiling() -> None:
     logger.info("warm-ups done: a shape class they did not compile runs eagerly (--recompile-in-serving)")
 
 
+def static_dims(tensor: torch.Tensor, *dims: int) -> torch.Tensor:
+    """``tensor``, its sizes ``dims`` (negative: from the end) compiled as the constants they are.
+
+    A forward compiled with dynamic sizes takes every size of its inputs for a variable, and two sizes
+    equal at the compilation for one variable: a model's own sizes (KV heads, head width) passed in
+    its cache could be tied that way to sizes that change (rows, positions), and a later step where
+    they differ would not match the compiled code. Marked, a size stays a constant of the code. A view
+    passed in has sizes of its own, apart from its base's: both are marked.
+    """
+    for dim in dims:
+        torch._dynamo.mark_static(tensor, dim % tensor.dim())
+    return tensor
+
+
 def compile_model(model: Any, device: torch.device) -> CompiledForward:
     """``model`` compiled for the engines' forwards.
 

@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from pdserve.model.compiled_forward import static_dims
 from pdserve.model.ragged_attention import RaggedRows, ragged_attention
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,10 @@ class SharedPrefix:
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+
+    def __post_init__(self) -> None:
+        for tensor in (*self.keys, *self.values):
+            static_dims(tensor, 0, 2)  # heads and width: the model's (see ``static_dims``)
 
     @property
     def num_tokens(self) -> int:
