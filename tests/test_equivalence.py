@@ -16,7 +16,7 @@ MAX_TOKENS = (1, 64, 2, 33, 64, 7, 48, 64)
 
 
 def reference_tokens(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
-    input_ids = torch.tensor([prompt])
+    input_ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         out = model.generate(
             input_ids,

@@ -133,7 +133,9 @@ def _engine_tokens(
     for i, prompt in enumerate(prompts):
         cache = DynamicCache(config=m.model.config)
         with torch.no_grad():
-            logits = m.model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True).logits
+            logits = m.model(
+                input_ids=torch.tensor([prompt], device=m.device), cache=cache, use_cache=True
+            ).logits
         first = int(logits[0, -1].argmax())
         tokens = [first]
         event = threading.Event()
@@ -159,8 +161,23 @@ def _engine_tokens(
     return results, metrics.ragged_steps._value.get()
 
 
-def test_decode_of_rows_of_very_different_lengths_equals_generate(cache_dir: Path) -> None:
-    m = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false"))
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
+    ],
+)
+def test_decode_of_rows_of_very_different_lengths_equals_generate(cache_dir: Path, device: str) -> None:
+    m = load_engine_model(
+        EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false", device=device)
+    )
     assert enable_ragged_attention(m.model, "decode")
     generator = torch.Generator().manual_seed(5)
     lengths = (3, 9, 600, 5, 12, 7, 580, 4, 6, 8, 10, 11)
