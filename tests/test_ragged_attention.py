@@ -6,7 +6,6 @@ rounding, the tiers hold each row once with its KV, and the engine's greedy toke
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,12 +19,11 @@ from transformers import DynamicCache
 from decode_service.engine import RAGGED_WARM_UP, DecodeEngine
 from decode_service.kv_pool import KvPool
 from decode_service.metrics import DecodeMetrics
-from decode_service.sequence import DecodeSequence, Emission
 from pdserve.config import EngineConfig
-from pdserve.core.sampling import SamplingParams
 from pdserve.model.engine_model import load_engine_model
 from pdserve.model.ragged_attention import MIN_SAVED, SPLIT_COST, RaggedRows, ragged_attention, split_rows
 from pdserve.model.shared_prefix_attention import enable_ragged_attention
+from tests.decode_batch import decode_as_one_batch
 from tests.test_equivalence import reference_tokens
 
 
@@ -129,35 +127,17 @@ def _engine_tokens(
     metrics = DecodeMetrics(CollectorRegistry())
     pool = KvPool(m.kv_layout, 256, 16, m.device)
     engine = DecodeEngine(m, metrics, 16, pool, ragged=ragged)
-    sequences, results, done = [], [], []
-    for i, prompt in enumerate(prompts):
+    prefilled = []
+    for prompt in prompts:
         cache = DynamicCache(config=m.model.config)
         with torch.no_grad():
             logits = m.model(
                 input_ids=torch.tensor([prompt], device=m.device), cache=cache, use_cache=True
             ).logits
-        first = int(logits[0, -1].argmax())
-        tokens = [first]
-        event = threading.Event()
-
-        def emit(emission: Emission, tokens: list[int] = tokens, event: threading.Event = event) -> None:
-            tokens.extend(emission.token_ids)
-            if emission.finish_reason is not None or emission.error is not None:
-                event.set()
-
-        kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        sequences.append(DecodeSequence(f"r{i}", kv, first, params, emit))
-        results.append(tokens)
-        done.append(event)
-    for seq in sequences:  # all waiting before the engine starts: they run as one batch
-        engine.submit(seq)
-    engine.start()
-    try:
-        assert all(event.wait(120) for event in done)
-    finally:
-        engine.stop()
-    assert pool.num_used_blocks == 0
+        prefilled.append(
+            (int(logits[0, -1].argmax()), [(layer.keys[0], layer.values[0]) for layer in cache.layers])
+        )
+    results = decode_as_one_batch(engine, pool, prefilled, max_tokens)
     return results, metrics.ragged_steps._value.get()
 
 

@@ -5,7 +5,6 @@ greedy tokens equal ``model.generate`` with the shared path taken."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +17,12 @@ from transformers import DynamicCache
 from decode_service.engine import DecodeEngine
 from decode_service.kv_pool import KvPool
 from decode_service.metrics import DecodeMetrics
-from decode_service.sequence import DecodeSequence, Emission
 from decode_service.step_cache import MIN_SHARED_TOKENS, BatchContext
 from pdserve.config import EngineConfig
-from pdserve.core.sampling import SamplingParams
 from pdserve.kv.layout import KvLayout
 from pdserve.model.engine_model import load_engine_model
 from pdserve.model.shared_prefix_attention import attend, use_shared_prefix_attention
+from tests.decode_batch import decode_as_one_batch
 from tests.test_equivalence import reference_tokens
 
 
@@ -143,8 +141,8 @@ def _engine_tokens(
         prefix_cache = DynamicCache(config=m.model.config)
         m.model(input_ids=torch.tensor([prompts[0][:prefix_len]]), cache=prefix_cache, use_cache=True)
     prefix_kv = [(layer.keys, layer.values) for layer in prefix_cache.layers]
-    sequences, results, done = [], [], []
-    for i, prompt in enumerate(prompts):
+    prefilled = []
+    for prompt in prompts:
         cache = DynamicCache(config=m.model.config)
         for layer, (k, v) in enumerate(prefix_kv):
             cache.update(k.clone(), v.clone(), layer)
@@ -155,28 +153,9 @@ def _engine_tokens(
                 use_cache=True,
                 position_ids=torch.arange(prefix_len, len(prompt))[None],
             ).logits
-        first = int(logits[0, -1].argmax())
-        tokens = [first]
-        event = threading.Event()
-
-        def emit(emission: Emission, tokens: list[int] = tokens, event: threading.Event = event) -> None:
-            tokens.extend(emission.token_ids)
-            if emission.finish_reason is not None or emission.error is not None:
-                event.set()
-
         kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        sequences.append(DecodeSequence(f"r{i}", kv, first, params, emit))
-        results.append(tokens)
-        done.append(event)
-    for seq in sequences:  # all waiting before the engine starts: they run as one batch
-        engine.submit(seq)
-    engine.start()
-    try:
-        assert all(event.wait(120) for event in done)
-    finally:
-        engine.stop()
-    assert pool.num_used_blocks == 0
+        prefilled.append((int(logits[0, -1].argmax()), kv))
+    results = decode_as_one_batch(engine, pool, prefilled, max_tokens)
     return results, metrics.shared_prefix_steps._value.get()
 
 
