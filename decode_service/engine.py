@@ -16,8 +16,9 @@ the next step beyond it allocates anew).
 
 ``warm_up`` (``--compile``, before the service is ready) runs real steps, on the engine thread, of
 dummy sequences of zero KV through a scheduler of their own over the same pool and runner: one
-row, then rows of different lengths (with one or two long ones, when steps may split rows by length),
-a few steps each, so that every shape class of a step is compiled. Their blocks are freed when they end, and their steps are not counted in the metrics.
+row, then rows of different lengths (with one or two long ones, when steps may split rows by
+length), a few steps each, so that every shape class of a step is compiled. Their blocks are freed
+when they end, and their steps are not counted in the metrics.
 """
 
 from __future__ import annotations
