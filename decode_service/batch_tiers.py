@@ -11,7 +11,9 @@ Which rows are long is decided again only when the running set changes (a row jo
 every row grows by one position a step, so a split stays right between changes, and rows move
 between tiers only then (a move is a leave from one context and a join of the other, copied from
 the row's blocks in the pool, which every step keeps up to date). Without a split every row is in
-the short tier, and the long tier keeps its memory for the next split, until ``release``.
+the short tier, and the long tier keeps its memory for the next split, until ``release`` The short tier's rows may
+leave a prefix they share to its shared prefix (``step_cache``), but not while a split holds: the
+split's attention reads whole rows.
 """
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ from pdserve.model.ragged_attention import split_rows
 
 
 class BatchTiers:
-    def __init__(self, pool: KvPool, max_rows: int, max_positions: int = 0, split: bool = False) -> None:
-        """``split``: whether long rows may be taken apart (the model attends to the tiers apart)."""
-        self.short = BatchContext(pool, max_rows, max_positions)
+    def __init__(
+        self, pool: KvPool, max_rows: int, max_positions: int = 0, split: bool = False, share: bool = False
+    ) -> None:
+        """``split``: whether long rows may be taken apart (the model attends to the tiers apart);
+        ``share``: whether the short rows may leave a prefix they share to the short tier's shared
+        prefix (the model attends to it apart), when no row is long."""
+        self.short = BatchContext(pool, max_rows, max_positions, share)
         self.long = BatchContext(pool, max_rows, max_positions)
         self._split = split
         self._serials: frozenset[int] = frozenset()  # the running set the split was decided for
@@ -53,7 +59,7 @@ class BatchTiers:
             self._long = frozenset(serials[i] for i in split[1]) if split is not None else frozenset()
         short = [i for i, serial in enumerate(serials) if serial not in self._long]
         long = [i for i, serial in enumerate(serials) if serial in self._long]
-        order = [short[j] for j in _sync(self.short, short, serials, blocks, lengths)]
+        order = [short[j] for j in _sync(self.short, short, serials, blocks, lengths, share=not long)]
         return order + [long[j] for j in _sync(self.long, long, serials, blocks, lengths)]
 
     def clear(self) -> None:
@@ -79,10 +85,12 @@ def _sync(
     serials: Sequence[int],
     blocks: Sequence[Sequence[int]],
     lengths: Sequence[int],
+    share: bool = True,
 ) -> list[int]:
     """``context.sync`` for the requests ``rows`` (indices into the others); an empty tier forgets
     its rows and keeps its memory."""
     if not rows:
         context.clear()
         return []
-    return context.sync([serials[i] for i in rows], [blocks[i] for i in rows], [lengths[i] for i in rows])
+    picked = [serials[i] for i in rows], [blocks[i] for i in rows], [lengths[i] for i in rows]
+    return context.sync(*picked, share=share)

@@ -45,8 +45,9 @@ from pdserve.model.warm_up import WarmUp
 logger = logging.getLogger(__name__)
 
 # The prompt lengths of the sequences of each warm-up batch, and how many steps each batch runs.
-# The last one's rows share a prefix (their KV is all zeros): its steps attend to it once.
-WARM_UP_BATCHES: tuple[tuple[int, ...], ...] = ((7,), (9, 4), (6, 13, 3), (20, 18))
+# The last two's rows share a prefix (their KV is all zeros): their steps attend to it once, one row
+# then two.
+WARM_UP_BATCHES: tuple[tuple[int, ...], ...] = ((7,), (9, 4), (6, 13, 3), (21,), (20, 18))
 WARM_UP_STEPS = 3
 # When steps may split rows by length (``ragged``), batches of short rows with one long row, then two,
 # whose steps split; the long rows' lengths at most (within the model's context length).

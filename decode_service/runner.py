@@ -7,11 +7,11 @@
 2. each row feeds its last token at its own position (its cached length), writes that position's
    KV to its pool slot, and attends to its own positions up to that one (the rest of the longest
    row's length is masked);
-3. one forward of all rows through ``EngineModel.forward`` over a ``StepCache``; when every row
-   begins with the batch context's shared prefix (and the runner may), the forward attends to
-   that prefix once for all rows and to each row's positions after it
-   (``pdserve.model.shared_prefix_attention``); with a long tier, each tier attends over its own
-   positions in a call of its own (``pdserve.model.ragged_attention``);
+3. one forward of all rows through ``EngineModel.forward`` over a ``StepCache``; when the rows
+   leave the positions they share to the batch context's shared prefix (its base, when the runner
+   may), the forward attends to that prefix once for all rows and to each row's positions after
+   it (``pdserve.model.shared_prefix_attention``); with a long tier, each tier attends over its
+   own positions in a call of its own (``pdserve.model.ragged_attention``);
 4. each row's token: the first maximum of its logits when greedy, else ``sample`` at its own step;
    a row whose request asks for logprobs gets its token's from the same logits
    (``pdserve.core.logprobs``; a step of rows that ask none computes none).
@@ -62,14 +62,13 @@ class StepRunner:
         prefix their rows share once; ``ragged``: it runs it and steps may split rows by length."""
         self._m = engine_model
         self._pool = pool
-        self._tiers = BatchTiers(pool, max_rows, engine_model.limits.max_model_len, ragged)
-        self._shared_prefix = shared_prefix
+        self._tiers = BatchTiers(pool, max_rows, engine_model.limits.max_model_len, ragged, shared_prefix)
         self._mask_value = torch.finfo(engine_model.kv_layout.dtype).min
 
     def run(self, rows: Sequence[DecodeSequence]) -> StepOutput:
         ordered = self._arrange(rows)
         tiers = self._tiers
-        shared = tiers.short.shared_length() if self._shared_prefix and not tiers.num_long else 0
+        shared = tiers.short.shared_length()  # 0 with a long tier, or without shared-prefix attention
         logits = self._forward(ordered, shared)
         counts = [seq.params.logprobs for seq in ordered]
         wanted = any(count is not None for count in counts)
@@ -119,7 +118,7 @@ class StepRunner:
         if shared:
             context = self._tiers.short
             extra["shared_prefix"] = SharedPrefix(
-                [k[:, :shared] for k in context.shared_keys], [v[:, :shared] for v in context.shared_values]
+                [k[:, :shared] for k in context.prefix.keys], [v[:, :shared] for v in context.prefix.values]
             )
         elif short < len(rows):
             extra["ragged"] = RaggedRows(
@@ -161,6 +160,7 @@ class StepRunner:
         positions from ``start``; the rows after them are the long tier's, over ``long_length``."""
         pool, tiers = self._pool, self._tiers
         rows = len(lengths)
+        short_positions = lengths[:short] - start if start else lengths[:short]  # in the rows
         tier_rows = torch.arange(rows - short, device=lengths.device)
         steps = torch.arange(short, rows, device=lengths.device)
 
@@ -178,7 +178,7 @@ class StepRunner:
                     tiers.short.keys[i][:short],
                     tiers.short.values[i][:short],
                     write,
-                    lengths[:short],
+                    short_positions,
                     short_length,
                     start,
                     long_tier(i),

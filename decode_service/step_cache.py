@@ -20,13 +20,17 @@ reference model, against 1-3 ms for memory touched before), so a context that gr
 of a burst stalls every running request. ``reserve`` allocates and touches a context up front (the
 engine does at start-up): a burst within it never grows.
 
-The context also keeps one shared prefix (``shared_keys``/``shared_values``, head-major, and a copy
-laid out as the rows are, to compare them with): the KV
-of the first row that joined when no live row shared one, and for each live row the number of its
-first positions whose KV equals it, bit for bit, in every layer (measured when the row joins, a
-comparison of its KV with the prefix). When every live row shares at least ``MIN_SHARED_TOKENS``
-of it (``shared_length``), a step attends to those positions once for all rows
-(``pdserve.model.shared_prefix_attention``) and to each row's own positions after them.
+The context also keeps one shared prefix (``context_prefix.ContextPrefix``): the KV of the first
+request that joined when no live row shared one, and for each live row the number of its first
+positions whose KV equals it, bit for bit, in every layer (measured from the pool when the row
+joins). The rows do not hold the ``base`` first positions every live row shares (at least
+``MIN_SHARED_TOKENS``, and at most each row's cached positions but one): row position ``i`` is the
+request's position ``base + i``, and a step attends to the prefix's first ``base`` positions once for
+all rows (``pdserve.model.shared_prefix_attention``) and to each row's own positions after them.
+Requests over a long common prompt thus cost their own positions only, in copies and in memory.
+When a joining row shares less, the base goes down and every row takes the positions between from
+the prefix; when the rows that shared less leave, it goes up and every row drops them. A context
+that does not share (``share=False``: the model attends over whole rows) keeps base 0.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from decode_service.context_prefix import ContextPrefix
 from decode_service.kv_pool import KvPool
 from pdserve.model.compiled_forward import static_dims
 
@@ -47,11 +52,13 @@ MIN_SHARED_TOKENS = 16  # a shorter shared prefix is attended row by row
 
 
 class BatchContext:
-    """The running rows' KV, contiguous per layer, row ``i`` holding ``serials[i]``'s positions."""
+    """The running rows' KV, contiguous per layer, row ``i`` holding ``serials[i]``'s positions from
+    ``base`` on."""
 
-    def __init__(self, pool: KvPool, max_rows: int, max_positions: int = 0) -> None:
+    def __init__(self, pool: KvPool, max_rows: int, max_positions: int = 0, share: bool = False) -> None:
         """``max_positions``: the most positions a row can hold (the model's context length; 0: no
-        bound), beyond which the context never grows."""
+        bound), beyond which the context never grows; ``share``: whether rows may leave a shared
+        prefix to the prefix (steps then attend to it apart)."""
         if max_rows < 1:
             raise ValueError(f"a batch context needs rows, got max_rows={max_rows}")
         if max_positions < 0:
@@ -59,6 +66,7 @@ class BatchContext:
         self._pool = pool
         self._max_rows = max_rows
         self._max_capacity = _round_up(max_positions + 1) if max_positions else 0
+        self._share = share
         self._reserved = (0, 0)  # rows and capacity that release() keeps
         self.serials: list[int] = []  # the request (engine serial) of each live row, in row order
         self.capacity = 0  # positions per row
@@ -66,40 +74,81 @@ class BatchContext:
         self.values: list[torch.Tensor] = []
         self.num_rows_copied = 0  # rows copied in: joins, moves on leave, and every row at a growth
         self.num_growths = 0
-        self.shared_keys: list[torch.Tensor] = []  # per layer [heads, tokens, width]: the shared prefix
-        self.shared_values: list[torch.Tensor] = []
+        self.prefix = ContextPrefix(pool)
+        self.base = 0  # positions of every row held by the prefix alone
         self.shared_lengths: list[int] = []  # per live row: its first positions equal to the prefix
-        self._shared_rows: list[torch.Tensor] = []  # the prefix as rows hold it, keys then values
 
     def shared_length(self) -> int:
-        """Positions every live row shares with the shared prefix (0: fewer than two rows, or fewer
-        than ``MIN_SHARED_TOKENS`` shared)."""
-        if len(self.serials) < 2:
-            return 0
-        shared = min(self.shared_lengths)
-        return shared if shared >= MIN_SHARED_TOKENS else 0
+        """Positions of every live row a step attends to in the shared prefix (the base)."""
+        return self.base
 
     @property
     def allocated_rows(self) -> int:
         return int(self.keys[0].shape[0]) if self.keys else 0
 
     def sync(
-        self, serials: Sequence[int], blocks: Sequence[Sequence[int]], lengths: Sequence[int]
+        self,
+        serials: Sequence[int],
+        blocks: Sequence[Sequence[int]],
+        lengths: Sequence[int],
+        share: bool = True,
     ) -> list[int]:
         """Makes the context hold exactly the requests ``serials`` (with their ``blocks`` and
         ``lengths`` cached positions), room for one more position each; returns the row order as
-        indices into ``serials``: row ``i`` is request ``serials[order[i]]``."""
+        indices into ``serials``: row ``i`` is request ``serials[order[i]]``. ``share=False``: this
+        time no row leaves positions to the prefix (base 0)."""
         index = {serial: i for i, serial in enumerate(serials)}
         self._drop_left(index)
-        needed = max(lengths) + 1
+        present = set(self.serials)
+        joining = [i for i, serial in enumerate(serials) if serial not in present]
+        joined: list[int] = []
+        for i in joining:
+            some = any(self.shared_lengths) or any(joined)
+            joined.append(self._measure(blocks[i], lengths[i], some))
+        base = self._base([*self.shared_lengths, *joined], lengths) if share and self._share else 0
+        if base > self.base:
+            self._rebase(base)
+        needed = max(lengths) + 1 - base
         if needed > self.capacity or len(serials) > self.allocated_rows:
             self._grow(len(serials), needed)
-        present = set(self.serials)
-        for i, serial in enumerate(serials):
-            if serial not in present:
-                self._join(blocks[i], lengths[i])
-                self.serials.append(serial)
+        if base < self.base:
+            self._rebase(base)
+        for i, shared in zip(joining, joined, strict=True):
+            self._join(blocks[i], lengths[i])
+            self.serials.append(serials[i])
+            self.shared_lengths.append(shared)
         return [index[serial] for serial in self.serials]
+
+    def _base(self, shared: Sequence[int], lengths: Sequence[int]) -> int:
+        """The positions every row leaves to the prefix: what they all share, but at most each one's
+        cached positions but one (a row holds two positions at least, the new one included); 0 when
+        fewer than ``MIN_SHARED_TOKENS``."""
+        base = min(*shared, min(lengths) - 1)
+        return base if base >= MIN_SHARED_TOKENS else 0
+
+    def _measure(self, blocks: Sequence[int], length: int, shared: bool) -> int:
+        """The positions a joining request shares with the prefix; when no row shares it
+        (``shared``: some row does), the request's KV becomes the prefix."""
+        if not self._share:
+            return 0
+        if not shared:
+            self.prefix.adopt(blocks, length)
+            return length
+        return self.prefix.measure(blocks, length, MIN_SHARED_TOKENS)
+
+    def _rebase(self, base: int) -> None:
+        """Moves every live row's positions so that row position 0 is ``base``: the positions from
+        ``base`` up to the old base come from the prefix, or those from the old base up to ``base`` go."""
+        live, shift = len(self.serials), base - self.base
+        tensors = (*self.keys, *self.values)
+        if live and shift > 0:
+            for t in tensors:
+                t[:live, : self.capacity - shift] = t[:live, shift:].clone()
+        elif live and shift < 0:
+            for t in tensors:
+                t[:live, -shift:] = t[:live, : self.capacity + shift].clone()
+            self.prefix.fill([t[:live] for t in tensors], base, self.base)
+        self.base = base
 
     def _drop_left(self, live: dict[int, int]) -> None:
         """Forgets the rows of requests not in ``live``: each hole is taken by the last live row."""
@@ -176,54 +225,25 @@ class BatchContext:
         self.num_growths += 1
 
     def _join(self, blocks: Sequence[int], length: int) -> None:
-        """Copies a joining request's ``length`` cached positions from its blocks into the next row."""
-        row = len(self.serials)
-        slots = self._pool.slots(blocks, 0, length)
+        """Copies a joining request's cached positions after the base from its blocks into the next row."""
+        row, own = len(self.serials), length - self.base
+        slots = self._pool.slots(blocks, self.base, own)
         for pool_t, t in zip((*self._pool.keys, *self._pool.values), (*self.keys, *self.values), strict=True):
-            torch.index_select(pool_t, 0, slots, out=t[row, :length])
+            torch.index_select(pool_t, 0, slots, out=t[row, :own])
         self.num_rows_copied += 1
-        self.shared_lengths.append(self._shared_with(row, length))
-
-    def _shared_with(self, row: int, length: int) -> int:
-        """How many first positions of ``row`` (of ``length``) equal the shared prefix; when no live
-        row shares it, the row's KV becomes the shared prefix."""
-        if not any(self.shared_lengths):
-            self._shared_rows = [t[row, :length].clone() for t in (*self.keys, *self.values)]
-            # One spare position: a step's slice of the prefix is never the whole tensor, so its
-            # strides are those of every other step (compiled code is specialised on contiguity).
-            heads_first = []
-            for t in self._shared_rows:
-                spare = torch.empty((t.shape[1], length + 1, t.shape[2]), dtype=t.dtype, device=t.device)
-                static_dims(spare, 0, 2)
-                spare[:, :length].copy_(t.transpose(0, 1))
-                heads_first.append(spare)
-            self.shared_keys, self.shared_values = (
-                heads_first[: len(self.keys)],
-                heads_first[len(self.keys) :],
-            )
-            return length
-        same = min(length, int(self._shared_rows[0].shape[0]))
-        for t, shared in zip((*self.keys, *self.values), self._shared_rows, strict=True):
-            if same < MIN_SHARED_TOKENS:
-                return 0
-            mine, theirs = t[row, :same], shared[:same]
-            if not torch.equal(mine, theirs):
-                same = int((mine != theirs).flatten(1).any(1).nonzero()[0, 0])  # the first that differs
-        return same if same >= MIN_SHARED_TOKENS else 0
-
-    def _forget_shared(self) -> None:
-        self.shared_keys, self.shared_values, self.shared_lengths, self._shared_rows = [], [], [], []
 
     def clear(self) -> None:
         """Forgets every row; the memory stays for the next ones (growing is what costs)."""
         self.serials = []
-        self._forget_shared()
+        self.shared_lengths = []
+        self.base = 0
+        self.prefix.forget()
 
     def release(self) -> None:
         """Forgets every row and gives the memory back, but for the reservation (allocated anew when
         the context grew past it); the next step beyond it allocates anew."""
-        self.serials = []
-        self._forget_shared()
+        self.clear()
+        self.prefix.release()
         if (self.allocated_rows, self.capacity) == self._reserved:
             return
         self.keys = []
@@ -272,10 +292,11 @@ class StepLayer(CacheLayerMixin):
         start: int = 0,
         long: LongTier | None = None,
     ) -> None:
-        """``batch_keys``/``batch_values`` and ``lengths``: the step's first rows' (the short tier);
-        ``length``: the positions they attend over; ``start``: the positions before it are not
-        returned (a shared prefix the step attends to apart); ``long``: where the step's other rows
-        (the long tier, attended apart) take their new positions."""
+        """``batch_keys``/``batch_values``: the step's first rows' (the short tier), whose position 0
+        is the request's position ``start`` (the positions before it are a shared prefix the step
+        attends to apart); ``lengths``: each one's new position in its row (its position less
+        ``start``); ``length``: the positions they attend over, ``start`` included; ``long``: where
+        the step's other rows (the long tier, attended apart) take their new positions."""
         super().__init__()
         self._pool_keys = pool_keys
         self._pool_values = pool_values
@@ -287,7 +308,7 @@ class StepLayer(CacheLayerMixin):
             static_dims(long.values, 2, 3)
         self._write = write_slots  # [batch] pool slot of each row's new position
         self._rows = torch.arange(len(lengths), device=lengths.device)
-        self._lengths = lengths  # [short rows] each row's new position
+        self._lengths = lengths  # [short rows] each row's new position in its row
         self._length = length
         self._start = start
         self._long = long
@@ -314,8 +335,8 @@ class StepLayer(CacheLayerMixin):
             long.values[long.rows, long.lengths] = new_values.index_select(0, long.steps)
             self.long_keys = long.keys[:, : long.length].transpose(1, 2)
             self.long_values = long.values[:, : long.length].transpose(1, 2)
-        self.keys = self._batch_keys[:, self._start : self._length].transpose(1, 2)
-        self.values = self._batch_values[:, self._start : self._length].transpose(1, 2)
+        self.keys = self._batch_keys[:, : self._length - self._start].transpose(1, 2)
+        self.values = self._batch_values[:, : self._length - self._start].transpose(1, 2)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -5,6 +5,7 @@ greedy tokens equal ``model.generate`` with the shared path taken."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,10 @@ from transformers import DynamicCache
 from decode_service.engine import DecodeEngine
 from decode_service.kv_pool import KvPool
 from decode_service.metrics import DecodeMetrics
+from decode_service.sequence import DecodeSequence, Emission
 from decode_service.step_cache import MIN_SHARED_TOKENS, BatchContext
 from pdserve.config import EngineConfig
+from pdserve.core.sampling import SamplingParams
 from pdserve.kv.layout import KvLayout
 from pdserve.model.engine_model import load_engine_model
 from pdserve.model.shared_prefix_attention import attend, use_shared_prefix_attention
@@ -88,7 +91,7 @@ def _context_with(rows: list[torch.Tensor]) -> BatchContext:
     """A batch context holding rows whose KV (every layer, keys and values) is ``rows[i]`` ``[T, 1, 2]``."""
     layout = KvLayout(keys=((1, 2), (1, 2)), values=((1, 2), (1, 2)), dtype=torch.float32)
     pool = KvPool(layout, 64, 4, torch.device("cpu"))
-    context = BatchContext(pool, 8)
+    context = BatchContext(pool, 8, share=True)
     blocks = []
     for kv in rows:
         owned = pool.allocate(kv.shape[0])
@@ -105,28 +108,58 @@ def test_the_batch_context_measures_what_each_row_shares_bit_for_bit() -> None:
     short = base[:24].clone()
     context = _context_with([base, other, short])
     assert context.shared_lengths == [40, 30, 24]
-    assert context.shared_length() == 24
-    assert torch.equal(context.shared_keys[0][:, :24], base[:24].transpose(0, 1))
+    assert context.shared_length() == 23  # the shortest row keeps its last cached position
+    assert torch.equal(context.prefix.keys[0][:, :23], base[:23].transpose(0, 1))
     # A row that shares fewer than MIN_SHARED_TOKENS positions turns the shared attention off.
     early = base.clone()
     early[MIN_SHARED_TOKENS - 2] += 1.0
     assert _context_with([base, early]).shared_length() == 0
-    assert _context_with([base]).shared_length() == 0  # one row: nothing to share
+    assert _context_with([base]).shared_length() == 39  # one row: all but its last cached position
+    assert _context_with([base[:MIN_SHARED_TOKENS]]).shared_length() == 0
 
 
 def test_when_no_live_row_shares_the_prefix_the_next_row_becomes_it() -> None:
     layout = KvLayout(keys=((1, 2),), values=((1, 2),), dtype=torch.float32)
     pool = KvPool(layout, 64, 4, torch.device("cpu"))
-    context = BatchContext(pool, 8)
+    context = BatchContext(pool, 8, share=True)
     a, b = torch.randn(20, 1, 2), torch.randn(20, 1, 2)
     blocks = {}
-    for name, kv in (("a", a), ("b", b), ("b2", b)):
+    for name, kv in (("a", a), ("b", b), ("b2", b), ("c", b)):
         blocks[name] = pool.allocate(20)
         pool.write(blocks[name], [(kv.transpose(0, 1), kv.transpose(0, 1))])
     context.sync([0], [blocks["a"]], [20])
     context.sync([1], [blocks["b"]], [20])  # a left: b becomes the shared prefix
     context.sync([1, 2], [blocks["b"], blocks["b2"]], [20, 20])
-    assert context.shared_lengths == [20, 20] and context.shared_length() == 20
+    assert context.shared_lengths == [20, 20] and context.shared_length() == 19
+    context.clear()
+    context.sync([3, 4], [blocks["a"], blocks["c"]], [20, 20])  # joining together: a becomes it
+    assert context.shared_lengths == [20, 0] and context.shared_length() == 0
+
+
+def _prefilled(m: Any, prompts: list[list[int]], prefix: list[int]) -> list[tuple[int, Any]]:
+    """Each prompt's first token and KV; the first ``len(prefix)`` positions of those that begin with
+    ``prefix`` come from one forward (bit for bit the same for each of them)."""
+    with torch.no_grad():
+        prefix_cache = DynamicCache(config=m.model.config)
+        m.model(input_ids=torch.tensor([prefix]), cache=prefix_cache, use_cache=True)
+    prefix_kv = [(layer.keys, layer.values) for layer in prefix_cache.layers]
+    prefilled = []
+    for prompt in prompts:
+        cache = DynamicCache(config=m.model.config)
+        start = len(prefix) if prompt[: len(prefix)] == prefix else 0
+        if start:
+            for layer, (k, v) in enumerate(prefix_kv):
+                cache.update(k.clone(), v.clone(), layer)
+        with torch.no_grad():
+            logits = m.model(
+                input_ids=torch.tensor([prompt[start:]]),
+                cache=cache,
+                use_cache=True,
+                position_ids=torch.arange(start, len(prompt))[None],
+            ).logits
+        kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+        prefilled.append((int(logits[0, -1].argmax()), kv))
+    return prefilled
 
 
 def _engine_tokens(
@@ -137,24 +170,7 @@ def _engine_tokens(
     metrics = DecodeMetrics(CollectorRegistry())
     pool = KvPool(m.kv_layout, 256, 16, m.device)
     engine = DecodeEngine(m, metrics, 8, pool, shared_prefix=shared)
-    with torch.no_grad():
-        prefix_cache = DynamicCache(config=m.model.config)
-        m.model(input_ids=torch.tensor([prompts[0][:prefix_len]]), cache=prefix_cache, use_cache=True)
-    prefix_kv = [(layer.keys, layer.values) for layer in prefix_cache.layers]
-    prefilled = []
-    for prompt in prompts:
-        cache = DynamicCache(config=m.model.config)
-        for layer, (k, v) in enumerate(prefix_kv):
-            cache.update(k.clone(), v.clone(), layer)
-        with torch.no_grad():
-            logits = m.model(
-                input_ids=torch.tensor([prompt[prefix_len:]]),
-                cache=cache,
-                use_cache=True,
-                position_ids=torch.arange(prefix_len, len(prompt))[None],
-            ).logits
-        kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
-        prefilled.append((int(logits[0, -1].argmax()), kv))
+    prefilled = _prefilled(m, prompts, prompts[0][:prefix_len])
     results = decode_as_one_batch(engine, pool, prefilled, max_tokens)
     return results, metrics.shared_prefix_steps._value.get()
 
@@ -173,3 +189,49 @@ def test_decode_over_a_shared_prefix_equals_generate(cache_dir: Path) -> None:
     assert got == [reference_tokens(m.model, prompt, 6) for prompt in prompts]
     plain, plain_steps = _engine_tokens(m, prompts, len(prefix), shared=False, max_tokens=6)
     assert plain == got and plain_steps == 0
+
+
+def test_requests_joining_and_leaving_over_a_shared_prefix_equal_generate(cache_dir: Path) -> None:
+    # Rows join one by one (the first alone leaves all but one position to the prefix), one that
+    # shares nothing joins mid-run (every row takes the prefix back) and leaves, rows leave early.
+    m = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false"))
+    assert use_shared_prefix_attention(m.model) is None
+    generator = torch.Generator().manual_seed(5)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(3, m.limits.vocab_size, (n,), generator=generator).tolist()
+
+    prefix = tokens(41)
+    prompts = [prefix + tokens(n) for n in (3, 7, 1)] + [tokens(30), prefix + tokens(12), prefix[:20]]
+    max_tokens = [14, 4, 12, 5, 9, 8]
+    prefilled = _prefilled(m, prompts, prefix)
+    metrics = DecodeMetrics(CollectorRegistry())
+    pool = KvPool(m.kv_layout, 256, 16, m.device)
+    engine = DecodeEngine(m, metrics, 8, pool, shared_prefix=True)
+    results: list[list[int]] = [[first] for first, _ in prefilled]
+    progress = [threading.Event() for _ in prompts]  # set at each request's third token
+    done = [threading.Event() for _ in prompts]
+
+    def submit(i: int) -> None:
+        def emit(emission: Emission) -> None:
+            results[i].extend(emission.token_ids)
+            if len(results[i]) >= 3:
+                progress[i].set()
+            if emission.finish_reason is not None or emission.error is not None:
+                progress[i].set()
+                done[i].set()
+
+        params = SamplingParams(max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True)
+        engine.submit(DecodeSequence(f"r{i}", prefilled[i][1], prefilled[i][0], params, emit))
+
+    engine.start()
+    try:
+        for i in range(len(prompts)):
+            submit(i)
+            assert progress[i].wait(60)
+        assert all(event.wait(60) for event in done)
+    finally:
+        engine.stop()
+    assert results == [reference_tokens(m.model, p, n) for p, n in zip(prompts, max_tokens, strict=True)]
+    assert metrics.shared_prefix_steps._value.get() >= 10
+    assert pool.num_used_blocks == 0
