@@ -9,7 +9,8 @@ are found.
 
 Each block's keys and values lie in one slot of per-layer pools ``[heads, blocks * block_size,
 width]`` allocated once on the model's device: a prompt's blocks, in consecutive slots as a rule,
-are copied in as one slice and out with one index per layer and tensor. ``lookup`` takes a
+are copied in as one slice and read back as a view (a match stops before a few last blocks in
+other slots; one scattered further is gathered with one index per layer and tensor). ``lookup`` takes a
 reference on the blocks it finds (``release`` gives it back); a block nobody references waits in
 LRU order (a prompt's later blocks before its earlier ones) and is evicted when ``insert`` needs
 room. The cache never holds more than ``capacity_tokens`` tokens:
@@ -33,6 +34,10 @@ from transformers import DynamicCache
 from pdserve.kv.layout import KvLayout
 
 MAX_BLOCK_SIZE = 4096
+# A match whose first blocks lie in consecutive slots, this share of them at least (3/4), stops where
+# they stop: its KV is then a view of the pools, not a copy gathered for every request (a prompt seen
+# before matches its own later blocks too, cached apart from the prefix it shares).
+MIN_RUN_SHARE = (3, 4)
 HASH_BYTES = 16
 MAX_DEFAULT_BYTES = 4 << 30
 
@@ -145,13 +150,19 @@ class PrefixCache:
         """The cached blocks that start a prompt of these block hashes, each referenced once; never
         the block of the prompt's last token."""
         usable = min(len(hashes), (num_prompt_tokens - 1) // self.block_size)
-        match = PrefixMatch(block_size=self.block_size)
+        found: list[Block] = []
         for block_hash in hashes[:usable]:
             block = self._blocks.get(block_hash)
             if block is None:
                 break
+            found.append(block)
+        run = next((i for i in range(1, len(found)) if found[i].slot != found[0].slot + i), len(found))
+        if run * MIN_RUN_SHARE[1] >= len(found) * MIN_RUN_SHARE[0]:
+            found = found[:run]  # the few blocks after are computed again rather than gathered
+        match = PrefixMatch(block_size=self.block_size)
+        for block in found:
             if block.refs == 0:
-                del self._free[block_hash]
+                del self._free[block.block_hash]
             block.refs += 1
             match.blocks.append(block)
         return match
@@ -234,3 +245,6 @@ class PrefixCache:
             del self._blocks[block_hash]
             self._unused_slots.append(block.slot)
         self._free.clear()
+        # Lowest slot taken first, as at the start: a prompt's blocks then lie in consecutive slots,
+        # and ``kv`` returns views of the pools instead of gathering them for every request.
+        self._unused_slots.sort(reverse=True)

@@ -144,6 +144,34 @@ def test_no_capacity_caches_nothing_and_clear_keeps_referenced_blocks() -> None:
     assert cache.num_tokens == 0
 
 
+def test_after_clear_a_prompts_blocks_lie_in_consecutive_slots_and_are_not_copied() -> None:
+    cache = new_cache(4, 64)
+    for start in (0, 20, 40):  # released last block first: evictable in an order of their own
+        fill(cache, list(range(start, start + 9)))
+    cache.clear()
+    prompt = list(range(60, 77))
+    fill(cache, prompt)
+    match = cache.lookup(cache.hashes(prompt), len(prompt))
+    assert match.num_tokens == 16
+    (first, _), (again, _) = cache.kv(match)[0], cache.kv(match)[0]
+    assert first.untyped_storage().data_ptr() == again.untyped_storage().data_ptr()  # views of the pool
+    assert first[0, :, 0].tolist() == [0.0] * 4 + [1.0] * 4 + [2.0] * 4 + [3.0] * 4
+
+
+def test_a_match_stops_before_a_few_last_blocks_cached_apart() -> None:
+    cache = new_cache(4, 64)
+    a = list(range(13))
+    fill(cache, a)  # slots 0, 1, 2
+    fill(cache, list(range(50, 59)))  # slots 3, 4
+    again = [*a[:12], 90, 91, 92, 93, 94]
+    fill(cache, again)  # its fourth block: slot 5
+    match = cache.lookup(cache.hashes(again), len(again))
+    assert match.num_tokens == 12  # 3 of 4 blocks in a row: the fourth is computed again
+    (first, _), (second, _) = cache.kv(match)[0], cache.kv(match)[0]
+    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+    cache.release(match)
+
+
 @pytest.mark.parametrize(("block_size", "capacity"), [(0, 8), (4097, 8), (4, -1)])
 def test_bad_settings_are_refused(block_size: int, capacity: int) -> None:
     with pytest.raises(ValueError, match="must be"):
