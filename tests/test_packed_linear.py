@@ -1,6 +1,6 @@
-"""Linear layers packed by oneDNN for eager forwards on a CPU: the same products as ``nn.Linear`` to
-float rounding, every unshared linear weight of a model replaced, and a model's greedy tokens
-unchanged."""
+"""Linear layers packed by oneDNN for CPU forwards: the same products as ``nn.Linear`` to float
+rounding, eager and compiled (the packed sizes constants of the compiled code), every unshared linear
+weight of a model replaced, and a model's greedy tokens unchanged."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo.testing
 from torch import nn
 
 from pdserve.config import EngineConfig
@@ -35,6 +36,25 @@ def test_a_packed_linear_computes_what_nn_linear_does(bias: bool, shape: tuple[i
     assert got.shape == (*shape[:-1], 40)
     torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
     assert torch.equal(packed.weight, linear.weight.detach())  # unpacked exactly
+
+
+def test_compiled_code_calls_the_packed_product_and_compiles_once() -> None:
+    # Rows first equal to the output width: were the packed sizes dynamic, dynamo would tie the two
+    # and compile again once they differ.
+    torch._dynamo.reset()
+    linear = nn.Linear(48, 40)
+    packed = PackedLinear(linear)
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(packed, backend=counter, dynamic=True)
+    with torch.no_grad():
+        for rows in (40, 7, 13):
+            x = torch.randn(rows, 48)
+            torch.testing.assert_close(compiled(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1
+    inductor = torch.compile(PackedLinear(linear), dynamic=True)  # code generated, not only traced
+    with torch.no_grad():
+        x = torch.randn(5, 48)
+        torch.testing.assert_close(inductor(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
 def test_every_unshared_linear_weight_is_packed() -> None:

@@ -159,8 +159,8 @@ def load_engine_model(config: EngineConfig, before_move: Callable[[Any], None] |
         kv_layout = measure_kv_layout(model, torch.device("cpu"))
         before_move(model)
         model = model.to(device)
-    if not choice.enabled and can_pack_linear_weights(device, dtype):
-        logger.info("%d linear weights packed by oneDNN (eager forwards)", pack_linear_weights(model))
+    if can_pack_linear_weights(device, dtype):
+        logger.info("%d linear weights packed by oneDNN", pack_linear_weights(model))
     elif prefers_input_major(device, dtype):
         logger.info("%d linear weights stored input-major", store_linear_weights_input_major(model))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
