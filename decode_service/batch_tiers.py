@@ -11,9 +11,9 @@ Which rows are long is decided again only when the running set changes (a row jo
 every row grows by one position a step, so a split stays right between changes, and rows move
 between tiers only then (a move is a leave from one context and a join of the other, copied from
 the row's blocks in the pool, which every step keeps up to date). Without a split every row is in
-the short tier, and the long tier keeps its memory for the next split, until ``release`` The short tier's rows may
-leave a prefix they share to its shared prefix (``step_cache``), but not while a split holds: the
-split's attention reads whole rows.
+the short tier, and the long tier keeps its memory for the next split, until ``release``. The short
+tier's rows may leave a prefix they share to its shared prefix (``step_cache``), but not while a
+split holds: the split's attention reads whole rows.
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ def _prefilled(m: Any, prompts: list[list[int]], prefix: list[int]) -> list[tupl
     ``prefix`` come from one forward (bit for bit the same for each of them)."""
     with torch.no_grad():
         prefix_cache = DynamicCache(config=m.model.config)
-        m.model(input_ids=torch.tensor([prefix]), cache=prefix_cache, use_cache=True)
+        m.model(input_ids=torch.tensor([prefix], device=m.device), cache=prefix_cache, use_cache=True)
     prefix_kv = [(layer.keys, layer.values) for layer in prefix_cache.layers]
     prefilled = []
     for prompt in prompts:
@@ -152,10 +152,10 @@ def _prefilled(m: Any, prompts: list[list[int]], prefix: list[int]) -> list[tupl
                 cache.update(k.clone(), v.clone(), layer)
         with torch.no_grad():
             logits = m.model(
-                input_ids=torch.tensor([prompt[start:]]),
+                input_ids=torch.tensor([prompt[start:]], device=m.device),
                 cache=cache,
                 use_cache=True,
-                position_ids=torch.arange(start, len(prompt))[None],
+                position_ids=torch.arange(start, len(prompt), device=m.device)[None],
             ).logits
         kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
         prefilled.append((int(logits[0, -1].argmax()), kv))
@@ -191,10 +191,27 @@ def test_decode_over_a_shared_prefix_equals_generate(cache_dir: Path) -> None:
     assert plain == got and plain_steps == 0
 
 
-def test_requests_joining_and_leaving_over_a_shared_prefix_equal_generate(cache_dir: Path) -> None:
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
+    ],
+)
+def test_requests_joining_and_leaving_over_a_shared_prefix_equal_generate(
+    cache_dir: Path, device: str
+) -> None:
     # Rows join one by one (the first alone leaves all but one position to the prefix), one that
     # shares nothing joins mid-run (every row takes the prefix back) and leaves, rows leave early.
-    m = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false"))
+    m = load_engine_model(
+        EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false", device=device)
+    )
     assert use_shared_prefix_attention(m.model) is None
     generator = torch.Generator().manual_seed(5)
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from pdserve.config import EngineConfig
 from pdserve.model.engine_model import load_engine_model
+from pdserve.model.packed_linear import PackedLinear
 from pdserve.model.presets.tiny import INITIALIZER_RANGE, SEED, fill_portable, tiny_config
 from pdserve.model.weight_layout import prefers_input_major, store_linear_weights_input_major
 
@@ -60,8 +62,12 @@ def test_tied_output_projection_keeps_its_layout() -> None:
     assert embeddings.is_contiguous()
 
 
-def test_a_compiled_cpu_engine_model_loads_input_major(cache_dir: Path) -> None:
-    """Compiled forwards cannot trace oneDNN's packed weights (eager ones take them: packed_linear)."""
-    m = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="true"))
-    projection = m.model.model.layers[0].self_attn.q_proj
+def test_a_compiled_cpu_engine_model_packs_its_weights_or_else_loads_them_input_major(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="true")
+    if torch.backends.mkldnn.is_available():  # compiled code calls the packed product (packed_linear)
+        assert isinstance(load_engine_model(config).model.model.layers[0].self_attn.q_proj, PackedLinear)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    projection = load_engine_model(config).model.model.layers[0].self_attn.q_proj
     assert projection.weight.stride() == (1, projection.out_features)
