@@ -24,15 +24,13 @@ from pdserve.kv.rendezvous import connect_store, host_store, pair_prefix
 from pdserve.model.engine_model import load_engine_model
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from tests.conftest import PRESETS, assert_no_leaks
+from tests.devices import NEEDS_CUDA
 from tests.grpc_client import Stream, generate_many, make_request
 from tests.kv_peer import Peer
 from tests.stack import Stack, free_port, scrape, wait_for
 from tests.test_equivalence import reference_tokens
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = NEEDS_CUDA
 
 
 @pytest.mark.parametrize("model_name", PRESETS)

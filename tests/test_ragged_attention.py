@@ -24,6 +24,7 @@ from pdserve.model.engine_model import load_engine_model
 from pdserve.model.ragged_attention import MIN_SAVED, SPLIT_COST, RaggedRows, ragged_attention, split_rows
 from pdserve.model.shared_prefix_attention import enable_ragged_attention
 from tests.decode_batch import decode_as_one_batch
+from tests.devices import ON_CPU_AND_CUDA
 from tests.test_equivalence import reference_tokens
 
 
@@ -141,19 +142,7 @@ def _engine_tokens(
     return results, metrics.ragged_steps._value.get()
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-            ],
-        ),
-    ],
-)
+@ON_CPU_AND_CUDA
 def test_decode_of_rows_of_very_different_lengths_equals_generate(cache_dir: Path, device: str) -> None:
     m = load_engine_model(
         EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false", device=device)

@@ -26,6 +26,7 @@ from pdserve.kv.layout import KvLayout
 from pdserve.model.engine_model import load_engine_model
 from pdserve.model.shared_prefix_attention import attend, use_shared_prefix_attention
 from tests.decode_batch import decode_as_one_batch
+from tests.devices import ON_CPU_AND_CUDA
 from tests.test_equivalence import reference_tokens
 
 
@@ -191,19 +192,7 @@ def test_decode_over_a_shared_prefix_equals_generate(cache_dir: Path) -> None:
     assert plain == got and plain_steps == 0
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-            ],
-        ),
-    ],
-)
+@ON_CPU_AND_CUDA
 def test_requests_joining_and_leaving_over_a_shared_prefix_equal_generate(
     cache_dir: Path, device: str
 ) -> None:
