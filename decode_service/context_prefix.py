@@ -5,8 +5,10 @@ before), kept twice: laid out as a batch context row is (``[positions, heads, wi
 keys then values), to compare joining requests with, and head-major with one spare position
 (``keys``/``values``, ``[heads, positions + 1, width]``), as ``shared_prefix_attention`` reads it. A
 joining request shares the first positions whose KV equals the prefix's bit for bit in every layer
-(``measure``): read from its pool blocks into a scratch buffer kept with the prefix, so that
-measuring allocates nothing. The buffers are kept when the prefix changes and only grow.
+(``measure``): its leading blocks whose pool keys (``KvPool.key_of``) equal the prefix's blocks'
+hold the same KV by construction and are not read; the positions after them are read from its pool
+blocks into a scratch buffer kept with the prefix, so that measuring allocates nothing. The buffers
+are kept when the prefix changes and only grow.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from decode_service.kv_pool import KvPool
+from decode_service.kv_pool import BlockKey, KvPool
 from pdserve.model.compiled_forward import static_dims
 
 ROUND = 64  # the buffers' positions are allocated in multiples of this
@@ -28,6 +30,7 @@ class ContextPrefix:
         self._rows: list[torch.Tensor] = []  # per layer's keys, then values: [capacity, heads, width]
         self._heads_first: list[torch.Tensor] = []  # the same, [heads, capacity + 1, width]
         self._scratch: list[torch.Tensor] = []  # a joining request's positions, read to compare
+        self._keys: list[BlockKey] = []  # pool keys of the prefix's leading full blocks
 
     @property
     def keys(self) -> list[torch.Tensor]:
@@ -42,6 +45,12 @@ class ContextPrefix:
     def adopt(self, blocks: Sequence[int], length: int) -> None:
         """The ``length`` first positions of the request owning ``blocks`` become the prefix."""
         self._reserve(length)
+        self._keys = []
+        for block in blocks[: length // self._pool.block_size]:
+            key = self._pool.key_of(block)
+            if key is None:
+                break
+            self._keys.append(key)
         slots = self._pool.slots(blocks, 0, length)
         for pool_t, rows, heads_first in zip(
             self._pool_tensors(), self._rows, self._heads_first, strict=True
@@ -56,15 +65,28 @@ class ContextPrefix:
         same = min(length, self.length)
         if same < at_least:
             return 0
-        slots = self._pool.slots(blocks, 0, same)
+        known = self._known(blocks, same)
+        if known == same:
+            return same
+        slots = self._pool.slots(blocks, known, same - known)
         for pool_t, rows, scratch in zip(self._pool_tensors(), self._rows, self._scratch, strict=True):
-            mine = torch.index_select(pool_t, 0, slots[:same], out=scratch[:same])
-            theirs = rows[:same]
-            if not torch.equal(mine, theirs):
-                same = int((mine != theirs).flatten(1).any(1).nonzero()[0, 0])  # the first that differs
+            mine = torch.index_select(pool_t, 0, slots[: same - known], out=scratch[: same - known])
+            theirs = rows[known:same]
+            if not torch.equal(mine, theirs):  # the first that differs:
+                same = known + int((mine != theirs).flatten(1).any(1).nonzero()[0, 0])
             if same < at_least:
                 return 0
         return same
+
+    def _known(self, blocks: Sequence[int], limit: int) -> int:
+        """The first positions (at most ``limit``) in leading blocks whose keys are the prefix's."""
+        size = self._pool.block_size
+        count = 0
+        for block, key in zip(blocks[: limit // size], self._keys, strict=False):
+            if self._pool.key_of(block) != key:
+                break
+            count += 1
+        return count * size
 
     def fill(self, targets: Sequence[torch.Tensor], start: int, stop: int) -> None:
         """Copies the prefix's positions [start, stop) into the first ``stop - start`` positions of
@@ -75,10 +97,12 @@ class ContextPrefix:
     def forget(self) -> None:
         """No prefix any more; the buffers stay for the next one."""
         self.length = 0
+        self._keys = []
 
     def release(self) -> None:
         """No prefix, and its memory given back."""
         self.length = 0
+        self._keys = []
         self._rows, self._heads_first, self._scratch = [], [], []
 
     def _pool_tensors(self) -> list[torch.Tensor]:

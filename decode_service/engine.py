@@ -86,7 +86,8 @@ class DecodeEngine:
         self._scheduler = Scheduler(pool, max_running, engine_model.limits.eos_token_ids, max_bypass)
         self._context_idle_s = context_idle_s
         self._idle_since: float | None = None
-        self._counted = (0, 0)  # the scheduler's bypassed and expired counts already in the metrics
+        # The scheduler's bypassed and expired counts and the pool's shared tokens already in the metrics.
+        self._counted = (0, 0, 0)
         self._serials = itertools.count()
         self._inbox: queue.SimpleQueue[DecodeSequence | WarmUp | None] = queue.SimpleQueue()
         self._warm_ups: collections.deque[WarmUp] = collections.deque()
@@ -95,6 +96,7 @@ class DecodeEngine:
         metrics.running.set_function(lambda: len(self._scheduler.running))
         metrics.waiting.set_function(lambda: len(self._scheduler.waiting) + self._inbox.qsize())
         metrics.kv_blocks_used.set_function(lambda: pool.num_used_blocks)
+        metrics.kv_blocks_idle.set_function(lambda: pool.num_idle_blocks)
         metrics.batch_context_bytes.set_function(lambda: self._runner.context_bytes)
 
     def start(self) -> None:
@@ -163,9 +165,11 @@ class DecodeEngine:
 
     def _count_scheduling(self) -> None:
         bypassed, expired = self._scheduler.num_bypassed, self._scheduler.num_expired
+        shared = self._pool.num_shared_tokens
         self._metrics.bypassed.inc(bypassed - self._counted[0])
         self._metrics.deadline_expired.inc(expired - self._counted[1])
-        self._counted = (bypassed, expired)
+        self._metrics.kv_shared_tokens.inc(shared - self._counted[2])
+        self._counted = (bypassed, expired, shared)
 
     def _release_when_idle(self) -> None:
         now = time.monotonic()

@@ -87,6 +87,16 @@ class DecodeMetrics:
         self.kv_blocks_used = Gauge(
             "pdserve_decode_kv_blocks_used", "KV pool blocks in use", registry=registry
         )
+        self.kv_blocks_idle = Gauge(
+            "pdserve_decode_kv_blocks_idle",
+            "KV pool blocks of prompt prefixes no request holds, kept for requests that share them",
+            registry=registry,
+        )
+        self.kv_shared_tokens = Counter(
+            "pdserve_decode_kv_shared_tokens",
+            "Prompt positions whose KV a request took from pool blocks held already (not copied)",
+            registry=registry,
+        )
         self.kv_cache_usage = Gauge(
             "pdserve_decode_kv_cache_usage_ratio",
             "Fraction of the KV pool's blocks in use (0..1)",

@@ -3,8 +3,9 @@
 Lifecycle of a request in the scheduler:
 1. ``add``: it waits, first come first served;
 2. ``schedule`` admits it once the running set has room (``max_running``) and the pool can reserve
-   every block it may need (prompt + max_tokens - 1 positions): its KV is copied into its own
-   blocks and it joins the running set. A full pool makes it wait, not fail; one complete at its
+   every block it may need (prompt + max_tokens - 1 positions): its leading prompt blocks that the
+   pool holds already are shared (``KvPool.admit``), the rest of its KV is copied into blocks of its
+   own, and it joins the running set. A full pool makes it wait, not fail; one complete at its
    first token is answered there without running; a cancelled one is dropped; one whose deadline
    passed ends with ``DeadlineExpired``. When the first in line does not fit the pool, later ones
    that fit are admitted past it (a short request is not stuck behind a long one), but only
@@ -102,7 +103,8 @@ class Scheduler:
         kept: collections.deque[DecodeSequence] = collections.deque()
         while self.waiting and len(self.running) < self._max_running:
             seq = self.waiting.popleft()
-            if self._pool.can_allocate(seq.max_cached_tokens()):
+            keys = seq.prefix_blocks.keys(self._pool.block_size)
+            if self._pool.can_allocate(seq.max_cached_tokens(), keys):
                 self._join(seq)
                 if head is not None:
                     head.bypassed += 1
@@ -148,9 +150,11 @@ class Scheduler:
             deliver([Emission(seq, error=DeadlineExpired()) for seq in expired])
 
     def _join(self, seq: DecodeSequence) -> None:
-        """Reserves every block ``seq`` may need and copies its received KV into them."""
-        seq.blocks = self._pool.allocate(seq.max_cached_tokens())
-        seq.num_cached = self._pool.write(seq.blocks, seq.kv)
+        """Reserves every block ``seq`` may need (sharing the prompt blocks the pool holds already)
+        and copies the rest of its received KV into them."""
+        keys = seq.prefix_blocks.keys(self._pool.block_size)
+        seq.blocks, shared = self._pool.admit(seq.max_cached_tokens(), keys)
+        seq.num_cached = self._pool.write(seq.blocks, seq.kv, start=shared)
         seq.drop_kv()
         self.running.append(seq)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decode_service.kv_pool import PrefixBlocks
 from pdserve.core.grammar import GrammarState
 from pdserve.core.logits_processing import LogitsProcessor
 from pdserve.core.logprobs import TokenLogprobs
@@ -59,6 +60,8 @@ class DecodeSequence:
     grammar: GrammarState | None = None  # the structured output's state after the tokens so far
     # The request's logits processors (penalties, min_tokens, ...); None: the fast path.
     processor: LogitsProcessor | None = field(default=None, repr=False)
+    # The prefix-cache blocks its KV's first positions came from (shared in the pool when held).
+    prefix_blocks: PrefixBlocks = field(default_factory=PrefixBlocks)
 
     def cancel(self) -> None:
         self.cancelled.set()

@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from decode_service.engine import DecodeEngine
+from decode_service.kv_pool import PrefixBlocks
 from decode_service.kv_source import KvSource, PulledKv
 from decode_service.metrics import DecodeMetrics
 from decode_service.sequence import DeadlineExpired, DecodeSequence, Emission
@@ -120,6 +121,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             num_generated=request.num_generated + 1,
             grammar=grammar,
             processor=decode_processor(request, params, self._limits.eos_token_ids),
+            prefix_blocks=PrefixBlocks(
+                request.kv_handle.prefill_instance_id,
+                request.kv_handle.block_size,
+                tuple(request.kv_handle.block_ids),
+            ),
         )
         self._engine.submit(seq)
         try:

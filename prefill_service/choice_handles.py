@@ -13,8 +13,13 @@ from prefill_service.metrics import PrefillMetrics
 
 
 def choices_response(
-    result: PrefillResult, registry: KvRegistry, issuer: HandleIssuer, metrics: PrefillMetrics
+    result: PrefillResult,
+    registry: KvRegistry,
+    issuer: HandleIssuer,
+    metrics: PrefillMetrics,
+    block_size: int = 0,
 ) -> prefill_pb2.PrefillResponse:
+    """``block_size``: tokens per block of the prefix cache (``PrefillResult.block_ids``)."""
     going_on = [c for c in result.choices if c.finish_reason is None]
     handles = []
     if going_on:
@@ -22,7 +27,7 @@ def choices_response(
             raise RuntimeError("a choice goes on to decode but its prompt's KV was not packed")
         entries = registry.park_shared(result.kv, result.num_tokens, len(going_on))
         metrics.kv_parks.inc(len(entries))
-        handles = [issuer.issue(entry) for entry in entries]
+        handles = [issuer.issue(entry, block_size, result.block_ids) for entry in entries]
     response = prefill_pb2.PrefillResponse(queue_seconds=result.queue_seconds)
     response.prompt_logprobs.extend(logprobs_list_to_proto(result.prompt_logprobs))
     for index, choice in enumerate(result.choices):

@@ -103,6 +103,8 @@ class PrefillResult:
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # prompt tokens 1..n-1, when the request asks
     choice_logprobs: tuple[TokenLogprobs, ...] = ()  # n > 1: each choice's first token's, when asked
     cached_tokens: int = 0  # of the prompt's, taken from the prefix cache
+    # Ids of the prefix-cache blocks holding the KV of the prompt's first full blocks (``PromptJob``).
+    block_ids: tuple[int, ...] = ()
 
     @property
     def kv_buffer(self) -> torch.Tensor | None:
@@ -324,25 +326,28 @@ class PrefillEngine:
                     kv = unpack(result.kv.tensor, m.kv_layout, result.num_tokens)
                 else:
                     kv = joined(parts) if new_blocks and self._prefix is not None else []
-            self._offer_blocks(new_blocks, kv)
+            self._offer_blocks(job, new_blocks, kv)
         if m.device.type == "cuda":
             torch.cuda.synchronize(m.device)
         elapsed = time.perf_counter() - start
         for job in jobs:
             job.forward_seconds += elapsed
         return {
-            job: dataclasses.replace(result, forward_seconds=job.forward_seconds)
+            job: dataclasses.replace(
+                result, forward_seconds=job.forward_seconds, block_ids=tuple(job.block_ids)
+            )
             for job, result in finished.items()
         }
 
-    def _offer_blocks(self, blocks: list[tuple[bytes, int]], kv: LayerKv) -> None:
-        """Offers the prefix cache a prompt's new full blocks (hash, index; consecutive) from its
-        KV ``kv``."""
+    def _offer_blocks(self, job: PromptJob, blocks: list[tuple[bytes, int]], kv: LayerKv) -> None:
+        """Offers the prefix cache ``job``'s new full blocks (hash, index; consecutive) from its KV
+        ``kv``."""
         if self._prefix is None or not blocks:
             return
         size = self._prefix.block_size
         start, end = blocks[0][1] * size, (blocks[-1][1] + 1) * size
-        self._prefix.insert([h for h, _ in blocks], [(k[:, start:end], v[:, start:end]) for k, v in kv])
+        ids = self._prefix.insert([h for h, _ in blocks], [(k[:, start:end], v[:, start:end]) for k, v in kv])
+        job.cached(blocks[0][1], ids)
 
     def _first_token(
         self, job: PromptJob, row: int, out: ForwardOutput, parts: KvParts, batch_size: int

@@ -16,12 +16,18 @@ LRU order (a prompt's later blocks before its earlier ones) and is evicted when 
 room. The cache never holds more than ``capacity_tokens`` tokens:
 when every block is referenced, a new block is simply not cached.
 
+Every block cached gets an id of its own (``Block.uid``, never given twice by one cache): a prompt's
+KV handle lists the ids of its first blocks, so that a decode holding blocks of the same ids already
+knows their KV, bit for bit, without copying or comparing it. A block evicted and computed again is a
+new block with a new id (its KV may differ in rounding from the first one's).
+
 The cache belongs to the engine thread: it is not locked (its gauges read plain integers).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from array import array
 from collections import OrderedDict
@@ -84,6 +90,7 @@ def reuse_problem(model: object) -> str | None:
 class Block:
     block_hash: bytes
     slot: int  # where its KV lies in the cache's pools
+    uid: int = 0  # unique within the cache
     refs: int = 0
 
 
@@ -129,6 +136,7 @@ class PrefixCache:
         self._free: OrderedDict[bytes, Block] = OrderedDict()  # unreferenced, least recently used first
         self._unused_slots = list(range(n - 1, -1, -1))
         self._on_evict = on_evict
+        self._uids = itertools.count(1)
 
     @property
     def capacity_tokens(self) -> int:
@@ -195,12 +203,14 @@ class PrefixCache:
     def contains(self, block_hash: bytes) -> bool:
         return block_hash in self._blocks
 
-    def insert(self, hashes: Sequence[bytes], kv: LayerKv) -> int:
+    def insert(self, hashes: Sequence[bytes], kv: LayerKv) -> list[int | None]:
         """Caches a copy of consecutive blocks of a prompt: ``kv`` holds their tokens (per layer
         ``[heads, len(hashes) * block_size, width]``), ``hashes`` their hashes. Evicts the least
-        recently used unreferenced blocks when full. Returns how many were cached (one already
-        there, or with no room left because every block is referenced, is not)."""
+        recently used unreferenced blocks when full. Returns, per hash, the id of the block cached
+        with ``kv``'s tokens, or None where none was (one already there, or no room left because
+        every block is referenced)."""
         added: list[Block] = []
+        uids: list[int | None] = [None] * len(hashes)
         runs: list[tuple[int, int, int]] = []  # (first block of kv, first slot, blocks): consecutive slots
         for i, block_hash in enumerate(hashes):
             if block_hash in self._blocks:
@@ -208,9 +218,10 @@ class PrefixCache:
             slot = self._free_slot()
             if slot is None:
                 break
-            block = Block(block_hash, slot)
+            block = Block(block_hash, slot, next(self._uids))
             self._blocks[block_hash] = block
             added.append(block)
+            uids[i] = block.uid
             if runs and runs[-1][0] + runs[-1][2] == i and runs[-1][1] + runs[-1][2] == slot:
                 runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
             else:
@@ -226,7 +237,7 @@ class PrefixCache:
                 )
         for block in reversed(added):  # the prompt's later blocks are evicted first
             self._free[block.block_hash] = block
-        return len(added)
+        return uids
 
     def _free_slot(self) -> int | None:
         if self._unused_slots:

@@ -5,6 +5,11 @@ A job begins when the engine first schedules it: it takes the longest cached pre
 with that KV. Each forward then runs its next chunk over the KV it has, until the whole prompt has
 run; the logits of that last forward give its first token. After every forward the engine offers
 the cache the job's full blocks it does not know yet.
+
+``block_ids`` are the ids of the cache blocks that hold, bit for bit, the job's first blocks' KV:
+those it took from the cache, then those the cache took from it; the run ends at the first block
+that the cache holds with other KV (computed by another prompt meanwhile, or cut from its match) or
+had no room for.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class PromptJob:
     done: int = 0  # tokens whose KV the job has (cached or run)
     kv: LayerKv | None = None  # that KV, per layer [heads, done, width]
     num_blocks_cached: int = 0  # of its full blocks, how many are known to the cache
+    block_ids: list[int] = field(default_factory=list)  # cache blocks holding its first blocks' KV
+    block_ids_open: bool = True  # whether the next block's id may still extend ``block_ids``
     forward_seconds: float = 0.0  # of the forwards it ran in
     prompt_logits: list[Any] = field(default_factory=list)  # each chunk's logits, for prompt_logprobs
 
@@ -55,6 +62,7 @@ class PromptJob:
         if self.match.blocks:
             self.cached_tokens = self.done = self.match.num_tokens
             self.kv = cache.kv(self.match)
+            self.block_ids = [block.uid for block in self.match.blocks]
 
     def next_chunk(self, num_tokens: int) -> Sequence[int]:
         return self.token_ids[self.done : self.done + num_tokens]
@@ -71,6 +79,16 @@ class PromptJob:
         new = [(self.hashes[b], b) for b in range(self.num_blocks_cached, full)]
         self.num_blocks_cached = max(full, self.num_blocks_cached)
         return new
+
+    def cached(self, first: int, ids: Sequence[int | None]) -> None:
+        """The cache took the job's blocks ``first``, ``first + 1``... as ``ids`` (None: not taken)."""
+        if first != len(self.block_ids):
+            self.block_ids_open = False
+        for block_id in ids:
+            if not self.block_ids_open or block_id is None:
+                self.block_ids_open = False
+                return
+            self.block_ids.append(block_id)
 
     def release(self, cache: PrefixCache | None) -> None:
         """Gives the cached blocks back (idempotent)."""

@@ -281,7 +281,9 @@ class PrefillServicer(KvHandoffServicer):
             self._metrics.prefix_cache_hits.inc(result.cached_tokens)
             self._metrics.cached_tokens.observe(result.cached_tokens)
         if params.n > 1:
-            response = choices_response(result, self._registry, self._issuer, self._metrics)
+            response = choices_response(
+                result, self._registry, self._issuer, self._metrics, self._block_size()
+            )
             response.cached_tokens = result.cached_tokens
             return response
         if result.finish_reason is not None or result.kv is None:
@@ -301,12 +303,17 @@ class PrefillServicer(KvHandoffServicer):
         return _with_logprobs(
             prefill_pb2.PrefillResponse(
                 first_token_id=result.first_token_id,
-                kv_handle=self._issuer.issue(entry),
+                kv_handle=self._issuer.issue(entry, self._block_size(), result.block_ids),
                 queue_seconds=result.queue_seconds,
                 cached_tokens=result.cached_tokens,
             ),
             result,
         )
+
+    def _block_size(self) -> int:
+        """Tokens per block of the prefix cache (0: none)."""
+        cache = self._engine.prefix_cache
+        return cache.block_size if cache is not None else 0
 
     async def _grammar(
         self, request: prefill_pb2.PrefillRequest, params: SamplingParams

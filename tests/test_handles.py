@@ -72,6 +72,30 @@ def test_handle_describes_the_kv(stack_pool: StackPool) -> None:
         asyncio.run(release(stack, handle.id))
 
 
+def test_handle_names_the_prefix_cache_blocks_of_its_prompt(stack_pool: StackPool) -> None:
+    stack = stack_pool.get(MODEL)
+    prompt = [(7 * i + 11) % 400 + 3 for i in range(40)]  # 2 full blocks of 16
+    response = asyncio.run(prefill(stack, prompt))
+    handle = kv_pb2.KvHandle()
+    handle.CopyFrom(response.kv_handle)
+    try:
+        assert handle.block_size == 16 and len(handle.block_ids) == 2
+        again = asyncio.run(prefill(stack, prompt)).kv_handle  # its blocks, from the cache
+        assert list(again.block_ids) == list(handle.block_ids)
+        assert asyncio.run(release(stack, again.id))
+        for tamper, message in (("size", "block_size must be >= 1"), ("count", "cover at most its num_tokens")):
+            bad = kv_pb2.KvHandle()
+            bad.CopyFrom(handle)
+            if tamper == "size":
+                bad.block_size = 0
+            else:
+                bad.block_ids.extend([1, 2])
+            error = decode_error(stack, bad)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and message in (error.details() or "")
+    finally:
+        assert asyncio.run(release(stack, handle.id)), "the refused KV should still be parked"
+
+
 def test_unknown_handle_is_not_found(stack_pool: StackPool) -> None:
     stack = stack_pool.get(MODEL)
     response = asyncio.run(prefill(stack, [4, 5, 6]))

@@ -10,9 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.core.sampling import SamplingParams
 from pdserve.kv.layout import KvLayout
 from prefill_service.chunk_schedule import Chunk, Group, schedule
 from prefill_service.prefix_cache import LayerKv, PrefixCache, block_hashes
+from prefill_service.prompt_job import PromptJob
 
 # One layer: keys of 2 heads x 3, values of 2 heads x 5 (as MLA, keys and values differ).
 LAYOUT = KvLayout(keys=((2, 3),), values=((2, 5),), dtype=torch.float32)
@@ -28,7 +30,7 @@ def blocks_kv(num_blocks: int, block_size: int = 4) -> LayerKv:
     return [(values[None, :, None].expand(2, -1, 3), -values[None, :, None].expand(2, -1, 5))]
 
 
-def insert(cache: PrefixCache, hashes: list[bytes], kv: LayerKv) -> int:
+def insert(cache: PrefixCache, hashes: list[bytes], kv: LayerKv) -> list[int | None]:
     return cache.insert(hashes, kv)
 
 
@@ -85,6 +87,40 @@ def test_an_evicted_slot_holds_the_new_block() -> None:
     assert cache.lookup(cache.hashes(a), len(a)).num_tokens == 0
 
 
+def test_each_block_cached_has_an_id_of_its_own() -> None:
+    cache = new_cache(4, 8)  # two blocks
+    a = list(range(9))
+    ids = insert(cache, cache.hashes(a), blocks_kv(2))
+    assert len(ids) == 2 and None not in ids and len(set(ids)) == 2
+    assert insert(cache, cache.hashes(a), blocks_kv(2)) == [None, None], "cached already: not this KV"
+    match = cache.lookup(cache.hashes(a), len(a))
+    assert [block.uid for block in match.blocks] == ids
+    cache.release(match)
+    fill(cache, list(range(50, 59)))  # evicts both
+    again = insert(cache, cache.hashes(a), blocks_kv(2))
+    assert None not in again and not set(again) & set(ids), "a block computed again got an old id"
+
+
+def test_a_prompts_block_ids_run_while_the_cache_holds_its_own_kv() -> None:
+    cache = new_cache(4, 64)
+    a = list(range(13))  # 3 full blocks
+    fill(cache, a)
+    job = PromptJob([*a[:8], 99, 98, 97, 96, 95], SamplingParams(max_tokens=2), 0, None)
+    job.begin(cache, 0.0)
+    hit = [block.uid for block in job.match.blocks] if job.match else []
+    assert len(hit) == 2 and job.block_ids == hit
+    new = job.ran(job.remaining, cache)
+    assert [index for _, index in new] == [2]
+    job.cached(2, insert(cache, [h for h, _ in new], blocks_kv(1)))
+    assert len(job.block_ids) == 3 and job.block_ids[:2] == hit
+    other = PromptJob(list(a), SamplingParams(max_tokens=2), 0, None)
+    other.hashes = cache.hashes(a)
+    other.cached(0, [5, None, 7])  # its second block's KV came from elsewhere: the run ends there
+    assert other.block_ids == [5]
+    other.cached(2, [8])
+    assert other.block_ids == [5]
+
+
 def test_referenced_blocks_are_never_evicted_and_the_bound_holds() -> None:
     evicted: list[int] = []
     cache = new_cache(4, 8, on_evict=evicted.append)  # two blocks
@@ -131,7 +167,7 @@ def test_blocks_in_scattered_slots_come_back_in_order() -> None:
 
 
 def test_no_capacity_caches_nothing_and_clear_keeps_referenced_blocks() -> None:
-    assert insert(new_cache(4, 3), [b"x" * 16], blocks_kv(1)) == 0
+    assert insert(new_cache(4, 3), [b"x" * 16], blocks_kv(1)) == [None]
     cache = new_cache(4, 64)
     a, b = list(range(9)), list(range(20, 29))
     fill(cache, a)

@@ -1,6 +1,8 @@
 """The prefix cache and chunked prefill through a real stack: outputs equal ``model.generate`` token
 for token while prompts share prefixes, run in chunks and evict each other, and the prefill's
-metrics count the cached tokens. The cache is on by default; ``--no-prefix-cache`` turns it off."""
+metrics count the cached tokens; the decode (blocks of the prefix cache's size) takes the prompt
+blocks it holds already instead of copying them. The cache is on by default; ``--no-prefix-cache``
+turns it off."""
 
 from __future__ import annotations
 
@@ -25,17 +27,25 @@ MODEL = "tiny-llama"
 BLOCK = 8
 CAPACITY = 64  # 8 blocks
 ARGS = ["--prefix-block-size", str(BLOCK), "--prefix-cache-tokens", str(CAPACITY), "--max-batch-tokens", "48"]
+DECODE_ARGS = ["--kv-block-size", str(BLOCK)]
+SHARED = "pdserve_decode_kv_shared_tokens_total"
 
 
 @pytest.fixture(scope="module")
 def stack(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    started = Stack(MODEL, cache_dir, tmp_path_factory.mktemp("prefix-logs"), prefill_args=ARGS).start()
+    started = Stack(
+        MODEL, cache_dir, tmp_path_factory.mktemp("prefix-logs"), prefill_args=ARGS, decode_args=DECODE_ARGS
+    ).start()
     yield started
     started.stop()
 
 
 def prefill_metrics(stack: Stack) -> dict[str, float]:
     return scrape(stack.prefills[0].metrics)
+
+
+def decode_metrics(stack: Stack) -> dict[str, float]:
+    return scrape(stack.decodes[0].metrics)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -45,7 +55,7 @@ def prompt(seed: int, n: int) -> list[int]:
 def test_shared_prefixes_hit_and_stay_exact(stack: Stack, reference_models: Any) -> None:
     model, _ = reference_models(MODEL)
     system = prompt(1, 30)  # 3 full blocks, and 6 tokens more
-    before = prefill_metrics(stack)
+    before, decode_before = prefill_metrics(stack), decode_metrics(stack)
     prompts = [[*system, *prompt(10 + i, 5)] for i in range(3)]
     reported = []
     for p in prompts:
@@ -69,6 +79,37 @@ def test_shared_prefixes_hit_and_stay_exact(stack: Stack, reference_models: Any)
     assert cached == 4
     assert after["pdserve_prefill_prefix_cache_capacity_tokens"] == CAPACITY
     assert 0 < after["pdserve_prefill_prefix_cache_tokens"] <= CAPACITY
+    # The second and third requests' first 3 blocks were the first's in the decode's pool too; the
+    # last ended at its first token and never reached the decode.
+    decode_after = decode_metrics(stack)
+    assert decode_after[SHARED] - decode_before[SHARED] == 24 + 24
+    assert decode_after["pdserve_decode_kv_blocks_idle"] > 0
+    assert_no_leaks(stack)
+
+
+def test_requests_running_together_share_their_prefix_blocks_in_the_decode(
+    stack: Stack, reference_models: Any
+) -> None:
+    """One request leaves a system prompt's blocks in both caches; then requests over it run at
+    once, each taking, in the decode, the blocks its prefill took from the cache."""
+    model, _ = reference_models(MODEL)
+    system = prompt(20, 17)  # 2 full blocks, and 1 token more
+    first = [*system, *prompt(21, 4)]
+    assert run(
+        stack.address, make_request(prompt_token_ids=first, max_tokens=3, temperature=0.0)
+    ).token_ids == (reference_tokens(model, first, 3))
+    prompts = [[*system, *prompt(22 + i, 3 + i)] for i in range(4)]
+
+    async def run_all() -> list[Any]:
+        requests = [make_request(prompt_token_ids=p, max_tokens=12, temperature=0.0) for p in prompts]
+        return list(await asyncio.gather(*(generate(stack.address, q) for q in requests)))
+
+    before = decode_metrics(stack)
+    results = asyncio.run(run_all())
+    assert [r.token_ids for r in results] == [reference_tokens(model, p, 12) for p in prompts]
+    cached = sum(r.chunks[0].num_cached_tokens for r in results)
+    assert cached > 0, "no request found the system prompt in the prefill's cache"
+    assert decode_metrics(stack)[SHARED] - before[SHARED] == cached
     assert_no_leaks(stack)
 
 

@@ -23,6 +23,7 @@ import functools
 import math
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -84,6 +85,10 @@ def malformed(handle: kv_pb2.KvHandle) -> str | None:
         return "kv_handle.expires_at_unix must be a finite time"
     if len(handle.tensors) > 2 * 4096:
         return "kv_handle has too many tensors"
+    if handle.block_ids and handle.block_size < 1:
+        return "kv_handle.block_size must be >= 1 when it lists block_ids"
+    if len(handle.block_ids) * handle.block_size > handle.num_tokens:
+        return "kv_handle.block_ids must cover at most its num_tokens"
     return None
 
 
@@ -129,7 +134,9 @@ class HandleIssuer:
     place: Place = CPU_PLACE
     rank: int = 0
 
-    def issue(self, parked: Parked) -> kv_pb2.KvHandle:
+    def issue(self, parked: Parked, block_size: int = 0, block_ids: Sequence[int] = ()) -> kv_pb2.KvHandle:
+        """The handle of ``parked``; ``block_ids``: the prefix-cache blocks of ``block_size`` tokens
+        holding its first positions' KV (``KvHandle.block_ids``)."""
         handle = kv_pb2.KvHandle(
             version=HANDLE_VERSION,
             id=parked.handle_id,
@@ -146,6 +153,9 @@ class HandleIssuer:
             device=self.place.device,
             device_uuid=self.place.device_uuid,
         )
+        if block_ids:
+            handle.block_size = block_size
+            handle.block_ids.extend(block_ids)
         handle.MergeFrom(self._tensors(parked.num_tokens))
         return handle
 

@@ -17,7 +17,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("version", "id", "prefill_address", "prefill_instance_id", "rendezvous_address", "backend", "model_fingerprint", "num_tokens", "tensors", "num_bytes", "expires_at_unix", "rank", "transports", "host_id", "device", "device_uuid")
+    __slots__ = ("version", "id", "prefill_address", "prefill_instance_id", "rendezvous_address", "backend", "model_fingerprint", "num_tokens", "tensors", "num_bytes", "expires_at_unix", "rank", "transports", "host_id", "device", "device_uuid", "block_size", "block_ids")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,8 @@ class KvHandle(_message.Message):
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     version: int
     id: bytes
     prefill_address: str
@@ -50,7 +52,9 @@ class KvHandle(_message.Message):
     host_id: str
     device: str
     device_uuid: str
-    def __init__(self, version: _Optional[int] = ..., id: _Optional[bytes] = ..., prefill_address: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., rendezvous_address: _Optional[str] = ..., backend: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_bytes: _Optional[int] = ..., expires_at_unix: _Optional[float] = ..., rank: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    block_size: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., id: _Optional[bytes] = ..., prefill_address: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., rendezvous_address: _Optional[str] = ..., backend: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., num_bytes: _Optional[int] = ..., expires_at_unix: _Optional[float] = ..., rank: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., block_size: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LentKv(_message.Message):
     __slots__ = ("offset", "cuda_ipc")
