@@ -10,6 +10,11 @@ Prompts are taken in line order, each whole if it fits. The first one that does 
 the chunk that does (if any) and ends the step: a prompt longer than the budget runs in chunks of
 it, one per step. The engine sends a prompt cut short to the back of the line (``PrefillLine``), so
 prompts that arrived meanwhile run their forward between its chunks instead of after all of them.
+
+A group may run as several forwards (``split``) of at most a given cost each, one after another, in
+line order: every prompt of a forward is answered when the forward ends, so where a forward's time
+grows with its tokens (a CPU) the first prompts of a burst get their first token after their own
+forward rather than after the whole step's. A single chunk is never split.
 """
 
 from __future__ import annotations
@@ -34,6 +39,19 @@ class Group:
     @property
     def cost(self) -> int:
         return len(self.chunks) * max(c.num_tokens for c in self.chunks)
+
+
+def split(group: Group, most: int) -> list[Group]:
+    """``group`` as consecutive groups of at most ``most`` cost each (a chunk costing more alone)."""
+    if most < 1:
+        raise ValueError(f"most must be >= 1, got {most}")
+    parts: list[list[Chunk]] = [[]]
+    for chunk in group.chunks:
+        part = parts[-1]
+        if part and (len(part) + 1) * max(chunk.num_tokens, *(c.num_tokens for c in part)) > most:
+            parts.append(part := [])
+        part.append(chunk)
+    return [Group(group.past, tuple(part)) for part in parts]
 
 
 def schedule(line: Sequence[tuple[int, int]], budget: int) -> list[Group]:

@@ -58,7 +58,7 @@ from pdserve.kv.layout import unpack
 from pdserve.kv.transports import GLOO, Place
 from pdserve.model.engine_model import EngineModel
 from pdserve.model.warm_up import WarmUp
-from prefill_service.chunk_schedule import Group, schedule
+from prefill_service.chunk_schedule import Group, schedule, split
 from prefill_service.first_choices import FirstToken, continues, first_tokens, with_grammar
 from prefill_service.kv_space import KvSpace, ParkedBuffer
 from prefill_service.prefix_cache import LayerKv, PrefixCache, reuse_problem
@@ -131,16 +131,19 @@ class PrefillEngine:
         max_batch_tokens: int = 8192,
         prefix_cache: PrefixCache | None = None,
         shared_prefix: bool = False,
+        max_forward_tokens: int = 0,
     ) -> None:
         """``kv_space``: where KV is parked (a device: private memory there, moved over gloo).
         ``max_batch_tokens``: the token budget of a step. ``prefix_cache``: None, no prefix reuse.
         ``shared_prefix``: the model runs ``shared_prefix_attention`` (rows over one cached prefix
-        attend to it once)."""
+        attend to it once). ``max_forward_tokens``: most tokens of prompts one forward runs
+        together, answered when it ends (``chunk_schedule.split``; 0: the whole budget)."""
         self._m = engine_model
         if isinstance(kv_space, torch.device):
             kv_space = KvSpace(GLOO, Place("", str(kv_space)), kv_space)
         self._space = kv_space
         self._max_batch_tokens = max_batch_tokens
+        self._max_forward_tokens = max_forward_tokens or max_batch_tokens
         self._prefix = prefix_cache
         self._whole = reuse_problem(engine_model.model) is None  # forwards over PromptLayers
         self._scratch = ForwardScratch(engine_model.device)  # their memory, kept (engine thread only)
@@ -260,7 +263,11 @@ class PrefillEngine:
             ready.append(job)
         if not ready:
             return
-        groups = schedule([(job.done, job.remaining) for job in ready], self._max_batch_tokens)
+        groups = [
+            part
+            for group in schedule([(job.done, job.remaining) for job in ready], self._max_batch_tokens)
+            for part in split(group, self._max_forward_tokens)
+        ]
         cut: list[PromptJob] = []
         for group in groups:
             jobs = [ready[chunk.index] for chunk in group.chunks]

@@ -183,7 +183,9 @@ def build_prefill(
     shared_prefix = enable_shared_prefix_attention(
         engine_model.model, config.engine.no_shared_prefix_attention, "prefill"
     )
-    engine = PrefillEngine(engine_model, space, config.batch_tokens, prefix_cache, shared_prefix)
+    engine = PrefillEngine(
+        engine_model, space, config.batch_tokens, prefix_cache, shared_prefix, config.forward_tokens
+    )
     metrics.track_queue(lambda: engine.num_waiting, lambda: engine.num_running)
     issuer = HandleIssuer(
         prefill_address=server.address,

@@ -145,6 +145,15 @@ def test_the_prefill_token_budget_follows_the_device_unless_set() -> None:
     assert colocated.prefill_config().batch_tokens == CUDA_BATCH_TOKENS
 
 
+def test_a_cpu_prefill_runs_forwards_of_128_tokens_at_most_unless_set() -> None:
+    assert PrefillConfig().forward_tokens == 128
+    assert PrefillConfig(max_batch_tokens=64).forward_tokens == 64  # never more than the budget
+    assert PrefillConfig(max_forward_tokens=300).forward_tokens == 300
+    assert PrefillConfig(engine=EngineConfig(device="cuda")).forward_tokens == 8192  # no split
+    with pytest.raises(ValueError, match=r"^max_forward_tokens must be >= 0 \(0: by device\), got -2$"):
+        PrefillConfig(max_forward_tokens=-2)
+
+
 def test_backend_for() -> None:
     auto = TransferConfig()
     assert auto.backend_for("cpu") == "gloo"
@@ -398,6 +407,7 @@ INTERNAL_ENV = [
                 "PDSERVE_KV_PORT",
                 "PDSERVE_LEASE_S",
                 "PDSERVE_MAX_BATCH_TOKENS",
+                "PDSERVE_MAX_FORWARD_TOKENS",
                 "PDSERVE_KV_SHM_BYTES",
                 "PDSERVE_MAX_PREFILL_WAITING",
                 "PDSERVE_PREFIX_CACHE_TOKENS",

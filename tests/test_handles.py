@@ -83,7 +83,10 @@ def test_handle_names_the_prefix_cache_blocks_of_its_prompt(stack_pool: StackPoo
         again = asyncio.run(prefill(stack, prompt)).kv_handle  # its blocks, from the cache
         assert list(again.block_ids) == list(handle.block_ids)
         assert asyncio.run(release(stack, again.id))
-        for tamper, message in (("size", "block_size must be >= 1"), ("count", "cover at most its num_tokens")):
+        for tamper, message in (
+            ("size", "block_size must be >= 1"),
+            ("count", "cover at most its num_tokens"),
+        ):
             bad = kv_pb2.KvHandle()
             bad.CopyFrom(handle)
             if tamper == "size":

@@ -37,3 +37,26 @@ def test_waiting_prompts_are_batched_up_to_the_token_budget(cache_dir: Path) -> 
         assert asyncio.run(run_all()) == [1, 4, 4, 4, 4, 2, 2, 1]
     finally:
         engine.close()
+
+
+def test_a_steps_prompts_run_in_forwards_of_at_most_the_forward_tokens(cache_dir: Path) -> None:
+    """The same line with ``max_forward_tokens=24``: the step of 4 x 12 runs as two forwards of
+    2 x 12; 2 x 20 as two lone forwards."""
+    m = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false"))
+    engine = PrefillEngine(m, m.device, max_batch_tokens=48, max_forward_tokens=24)
+    generator = torch.Generator().manual_seed(4)
+    lengths = [m.limits.max_model_len - 1, 12, 9, 12, 3, 20, 20, 1]
+    prompts = [torch.randint(3, m.limits.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    async def run_all() -> list[int]:
+        first = asyncio.ensure_future(engine.run(prompts[0], params))
+        await asyncio.sleep(0.005)
+        results = await asyncio.gather(first, *(engine.run(p, params) for p in prompts[1:]))
+        assert [r.first_token_id for r in results] == [reference_tokens(m.model, p, 1)[0] for p in prompts]
+        return [r.batch_size for r in results]
+
+    try:
+        assert asyncio.run(run_all()) == [1, 2, 2, 2, 2, 1, 1, 1]
+    finally:
+        engine.close()

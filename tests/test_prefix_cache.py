@@ -3,6 +3,7 @@ chunk schedule of a prefill step."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from pdserve.core.sampling import SamplingParams
 from pdserve.kv.layout import KvLayout
-from prefill_service.chunk_schedule import Chunk, Group, schedule
+from prefill_service.chunk_schedule import Chunk, Group, schedule, split
 from prefill_service.prefix_cache import LayerKv, PrefixCache, block_hashes
 from prefill_service.prompt_job import PromptJob
 
@@ -289,3 +290,30 @@ def test_schedule_stays_within_the_budget_and_always_moves(line: list[tuple[int,
 def test_schedule_refuses_a_bad_budget() -> None:
     with pytest.raises(ValueError, match="budget"):
         schedule([(0, 1)], 0)
+
+
+def test_a_group_splits_into_forwards_of_at_most_the_cost_in_line_order() -> None:
+    group = Group(16, (Chunk(0, 32), Chunk(1, 32), Chunk(2, 32), Chunk(3, 64), Chunk(4, 8)))
+    parts = split(group, 96)
+    assert [[c.index for c in part.chunks] for part in parts] == [[0, 1, 2], [3], [4]]
+    assert all(part.past == 16 and part.cost <= 96 for part in parts)
+    assert split(Group(0, (Chunk(0, 500),)), 128) == [Group(0, (Chunk(0, 500),))]  # a chunk alone
+    assert split(group, 10_000) == [group]
+    with pytest.raises(ValueError):
+        split(group, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    chunks=st.lists(st.integers(1, 300), min_size=1, max_size=12),
+    most=st.integers(1, 600),
+)
+def test_split_keeps_every_chunk_once_and_each_part_within_the_cost(chunks: list[int], most: int) -> None:
+    group = Group(3, tuple(Chunk(i, n) for i, n in enumerate(chunks)))
+    parts = split(group, most)
+    assert [c for part in parts for c in part.chunks] == list(group.chunks)
+    assert all(part.cost <= most or len(part.chunks) == 1 for part in parts)
+    # Greedy: a part could not have taken the next part's first chunk too.
+    for part, after in itertools.pairwise(parts):
+        joined = Group(3, (*part.chunks, after.chunks[0]))
+        assert joined.cost > most

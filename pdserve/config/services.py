@@ -220,6 +220,11 @@ class ServerConfig:
 # little extra time.
 CPU_BATCH_TOKENS = 512
 CUDA_BATCH_TOKENS = 8192
+# Most tokens of prompts one CPU prefill forward runs together: the prompts of a step's batch run in
+# forwards of this size one after another, each answered when its forward ends, so the first of a
+# burst do not wait for the last (a long prompt's chunk of the whole budget still runs alone). On
+# CUDA a forward of the whole budget takes little longer than a small one: no split.
+CPU_FORWARD_TOKENS = 128
 MAX_BATCH_TOKENS_HELP = (
     "token budget of one prefill step (per forward: rows x longest chunk); a longer prompt is "
     f"prefilled in chunks of it, other prompts running between them; 0: {CPU_BATCH_TOKENS} on CPU, "
@@ -264,6 +269,14 @@ class PrefillSettings:
     max_batch_tokens: int = field(
         default=0, metadata={"help": MAX_BATCH_TOKENS_HELP, "aliases": ("--max-num-batched-tokens",)}
     )
+    max_forward_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "most tokens of prompts one prefill forward runs together (rows x longest "
+            "chunk); a step's prompts beyond run in the forwards after it, each answered when its "
+            f"forward ends; 0: {CPU_FORWARD_TOKENS} on CPU, the whole token budget on CUDA"
+        },
+    )
     kv_shm_bytes: int = field(
         default=0,
         metadata={
@@ -301,6 +314,8 @@ class PrefillSettings:
         check_at_least("max_prefill_waiting", self.max_prefill_waiting, 1)
         if self.max_batch_tokens < 0:
             raise ValueError(f"max_batch_tokens must be >= 0 (0: by device), got {self.max_batch_tokens}")
+        if self.max_forward_tokens < 0:
+            raise ValueError(f"max_forward_tokens must be >= 0 (0: by device), got {self.max_forward_tokens}")
         check_at_least("prefix_cache_tokens", self.prefix_cache_tokens, -1)
         if not 1 <= self.prefix_block_size <= MAX_PREFIX_BLOCK_SIZE:
             raise ValueError(
@@ -317,6 +332,12 @@ class PrefillSettings:
         if self.max_batch_tokens:
             return self.max_batch_tokens
         return CPU_BATCH_TOKENS if device == "cpu" else CUDA_BATCH_TOKENS
+
+    def forward_tokens_on(self, device: str) -> int:
+        """Most tokens of prompts one forward runs together on ``device`` (never more than the budget)."""
+        most = self.max_forward_tokens or (CPU_FORWARD_TOKENS if device == "cpu" else 0)
+        budget = self.batch_tokens_on(device)
+        return min(most, budget) if most else budget
 
 
 @dataclass(frozen=True)
@@ -383,6 +404,11 @@ class PrefillConfig(PrefillSettings, EngineService):
     def batch_tokens(self) -> int:
         """The prefill's token budget: ``max_batch_tokens``, or the device's default when 0."""
         return self.batch_tokens_on(self.engine.device)
+
+    @property
+    def forward_tokens(self) -> int:
+        """Most tokens of prompts one prefill forward runs together."""
+        return self.forward_tokens_on(self.engine.device)
 
 
 DECODE_PREFILL_HELP = (
