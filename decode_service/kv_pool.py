@@ -106,7 +106,11 @@ class KvPool:
 
     def can_allocate(self, num_tokens: int, keys: Sequence[BlockKey] = ()) -> bool:
         """Whether ``admit(num_tokens, keys)`` finds room."""
-        held = self.held(keys)
+        return self._fits(num_tokens, self.held(keys))
+
+    def _fits(self, num_tokens: int, held: Sequence[int]) -> bool:
+        """Whether the blocks besides ``held`` (which a request shares) can be taken: free ones, and
+        idle ones other than those ``held`` takes back."""
         idle_held = sum(1 for block in held if self._refs[block] == 0)
         return self.blocks_for(num_tokens) - len(held) <= self.num_free_blocks - idle_held
 
@@ -120,7 +124,7 @@ class KvPool:
         under their keys). Returns them and the positions the shared ones cover (KV not to write)."""
         held = self.held(keys)
         needed = self.blocks_for(num_tokens) - len(held)
-        if needed > self.num_free_blocks - sum(1 for block in held if self._refs[block] == 0):
+        if not self._fits(num_tokens, held):
             raise MemoryError(f"KV pool has {self.num_free_blocks} free blocks, {needed} needed")
         for block in held:
             if self._refs[block] == 0:

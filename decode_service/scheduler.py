@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
-from decode_service.kv_pool import KvPool
+from decode_service.kv_pool import BlockKey, KvPool
 from decode_service.runner import StepOutput
 from decode_service.sequence import DeadlineExpired, DecodeSequence, Emission, deliver
 from pdserve.core.finish import finish_reason
@@ -105,7 +105,7 @@ class Scheduler:
             seq = self.waiting.popleft()
             keys = seq.prefix_blocks.keys(self._pool.block_size)
             if self._pool.can_allocate(seq.max_cached_tokens(), keys):
-                self._join(seq)
+                self._join(seq, keys)
                 if head is not None:
                     head.bypassed += 1
                     self.num_bypassed += 1
@@ -149,10 +149,9 @@ class Scheduler:
             self.num_expired += len(expired)
             deliver([Emission(seq, error=DeadlineExpired()) for seq in expired])
 
-    def _join(self, seq: DecodeSequence) -> None:
-        """Reserves every block ``seq`` may need (sharing the prompt blocks the pool holds already)
-        and copies the rest of its received KV into them."""
-        keys = seq.prefix_blocks.keys(self._pool.block_size)
+    def _join(self, seq: DecodeSequence, keys: Sequence[BlockKey]) -> None:
+        """Reserves every block ``seq`` may need (sharing the prompt blocks under ``keys`` the pool
+        holds already) and copies the rest of its received KV into them."""
         seq.blocks, shared = self._pool.admit(seq.max_cached_tokens(), keys)
         seq.num_cached = self._pool.write(seq.blocks, seq.kv, start=shared)
         seq.drop_kv()
