@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from decode_service.kv_pool import BlockKey, KvPool, PrefixBlocks
 from pdserve.kv.layout import KvLayout
+from tests.devices import ON_CPU_AND_CUDA
 
 LAYOUT = KvLayout(keys=((1, 2),), values=((1, 3),), dtype=torch.float32)
 BLOCK = 4
@@ -163,14 +164,22 @@ def test_every_request_reads_its_own_kv_while_prefix_blocks_are_shared(
     assert model.pool.num_used_blocks == 0
 
 
-def test_a_prefix_is_shared_while_held_and_kept_after_until_its_room_is_needed() -> None:
-    pool = KvPool(LAYOUT, 6, BLOCK, torch.device("cpu"))
+@ON_CPU_AND_CUDA
+def test_a_prefix_is_shared_while_held_and_kept_after_until_its_room_is_needed(device: str) -> None:
+    pool = KvPool(LAYOUT, 6, BLOCK, torch.device(device))
     keys = PrefixBlocks(INSTANCE, BLOCK, (7, 8)).keys(BLOCK)
+    values = torch.arange(10, dtype=torch.float32)
     first, shared = pool.admit(9, keys)  # 2 keyed blocks and one of its own
     assert shared == 0 and pool.num_used_blocks == 3
+    pool.write(first, [(_as_keys(values[:9]), _as_values(values[:9]))])
     second, shared = pool.admit(10, keys)
     assert shared == 8 and second[:2] == first[:2] and second[2] != first[2]
     assert pool.num_used_blocks == 4
+    theirs = values + 100
+    theirs[:8] = float("nan")  # the shared positions are not read from the request's KV
+    pool.write(second, [(_as_keys(theirs), _as_values(theirs))], start=shared)
+    read = pool.keys[0][pool.slots(second, 0, 10)][:, 0, 0].cpu()
+    assert torch.equal(read, torch.cat([values[:8], values[8:] + 100]))
     pool.free(first)
     pool.free(second)
     assert pool.num_used_blocks == 0 and pool.num_idle_blocks == 2 and pool.num_free_blocks == 6
