@@ -46,11 +46,14 @@ def split(group: Group, most: int) -> list[Group]:
     if most < 1:
         raise ValueError(f"most must be >= 1, got {most}")
     parts: list[list[Chunk]] = [[]]
+    width = 0  # the longest chunk of the last part
     for chunk in group.chunks:
         part = parts[-1]
-        if part and (len(part) + 1) * max(chunk.num_tokens, *(c.num_tokens for c in part)) > most:
+        if part and (len(part) + 1) * max(width, chunk.num_tokens) > most:
             parts.append(part := [])
+            width = 0
         part.append(chunk)
+        width = max(width, chunk.num_tokens)
     return [Group(group.past, tuple(part)) for part in parts]
 
 
