@@ -168,11 +168,13 @@ def test_decode_steps_follow_the_grammar_next_to_a_free_row(m: EngineModel, gram
     results: dict[str, list[Any]] = {}
     ended = {name: threading.Event() for name in ("constrained", "free")}
 
-    def submit(name: str, first: int, grammar: Any) -> None:
+    def prefilled() -> list[tuple[torch.Tensor, torch.Tensor]]:
         cache = DynamicCache(config=m.model.config)
         with torch.no_grad():
             m.model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
-        kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+        return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+
+    def submit(name: str, first: int, grammar: Any, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         results[name] = [[first], None]
 
         def emit(emission: Emission) -> None:
@@ -184,10 +186,13 @@ def test_decode_steps_follow_the_grammar_next_to_a_free_row(m: EngineModel, gram
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         engine.submit(DecodeSequence(name, kv, first, params, emit, grammar=grammar))
 
+    # Every eager forward of the model runs before the engine's thread compiles its first step:
+    # dynamo builds a step's guards from the model's state, which a forward on another thread changes.
+    free = reference_tokens(m.model, prompt, 12)
+    kv = [prefilled(), prefilled()]
     try:
-        submit("constrained", expected[0], grammars.start(output, expected[:1], ignore_eos=False))
-        free = reference_tokens(m.model, prompt, 12)
-        submit("free", free[0], None)
+        submit("constrained", expected[0], grammars.start(output, expected[:1], ignore_eos=False), kv[0])
+        submit("free", free[0], None, kv[1])
         assert all(event.wait(60) for event in ended.values())
     finally:
         engine.stop()
