@@ -16,10 +16,11 @@ LRU order (a prompt's later blocks before its earlier ones) and is evicted when 
 room. The cache never holds more than ``capacity_tokens`` tokens:
 when every block is referenced, a new block is simply not cached.
 
-Every block cached gets an id of its own (``Block.uid``, never given twice by one cache): a prompt's
-KV handle lists the ids of its first blocks, so that a decode holding blocks of the same ids already
-knows their KV, bit for bit, without copying or comparing it. A block evicted and computed again is a
-new block with a new id (its KV may differ in rounding from the first one's).
+Every block cached gets an id of its own (``Block.uid``, from ``BlockIds``: never given twice by one
+cache, and not guessable): a prompt's KV handle lists the ids of its first blocks, so that a decode
+holding blocks of the same ids already knows their KV, bit for bit, without copying or comparing it.
+A block evicted and computed again is a new block with a new id (its KV may differ in rounding from
+the first one's).
 
 The cache belongs to the engine thread: it is not locked (its gauges read plain integers).
 """
@@ -27,7 +28,6 @@ The cache belongs to the engine thread: it is not locked (its gauges read plain 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 from array import array
 from collections import OrderedDict
@@ -38,6 +38,7 @@ import torch
 from transformers import DynamicCache
 
 from pdserve.kv.layout import KvLayout
+from prefill_service.block_ids import BlockIds
 
 MAX_BLOCK_SIZE = 4096
 # A match whose first blocks lie in consecutive slots, this share of them at least (3/4), stops where
@@ -114,9 +115,11 @@ class PrefixCache:
         layout: KvLayout,
         device: torch.device,
         on_evict: Callable[[int], None] | None = None,
+        block_ids: BlockIds | None = None,
     ) -> None:
         """Holds at most ``capacity_tokens`` (rounded down to whole blocks) of KV of ``layout`` on
-        ``device``, in pools allocated once. ``on_evict``: told the number of tokens of each eviction."""
+        ``device``, in pools allocated once. ``on_evict``: told the number of tokens of each eviction;
+        ``block_ids``: where the blocks' ids come from (a new ``BlockIds`` by default)."""
         if not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
         if capacity_tokens < 0:
@@ -136,7 +139,7 @@ class PrefixCache:
         self._free: OrderedDict[bytes, Block] = OrderedDict()  # unreferenced, least recently used first
         self._unused_slots = list(range(n - 1, -1, -1))
         self._on_evict = on_evict
-        self._uids = itertools.count(1)
+        self._ids = block_ids if block_ids is not None else BlockIds()
 
     @property
     def capacity_tokens(self) -> int:
@@ -218,7 +221,7 @@ class PrefixCache:
             slot = self._free_slot()
             if slot is None:
                 break
-            block = Block(block_hash, slot, next(self._uids))
+            block = Block(block_hash, slot, self._ids.next_id())
             self._blocks[block_hash] = block
             added.append(block)
             uids[i] = block.uid

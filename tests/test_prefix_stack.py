@@ -16,12 +16,15 @@ import torch
 
 from pdserve.config import EngineConfig, PrefillConfig
 from pdserve.model.engine_model import load_engine_model
+from pdserve.v1 import kv_pb2
 from prefill_service.metrics import PrefillMetrics
 from prefill_service.server import build_prefix_cache
 from tests.conftest import StackPool, assert_no_leaks
 from tests.grpc_client import generate, make_request, run
 from tests.stack import Stack, scrape
 from tests.test_equivalence import reference_tokens
+from tests.test_handles import decode as decode_directly
+from tests.test_handles import prefill as prefill_directly
 
 MODEL = "tiny-llama"
 BLOCK = 8
@@ -110,6 +113,47 @@ def test_requests_running_together_share_their_prefix_blocks_in_the_decode(
     cached = sum(r.chunks[0].num_cached_tokens for r in results)
     assert cached > 0, "no request found the system prompt in the prefill's cache"
     assert decode_metrics(stack)[SHARED] - before[SHARED] == cached
+    assert_no_leaks(stack)
+
+
+def test_a_handle_rewritten_to_name_blocks_of_another_prompt_shares_nothing(
+    stack: Stack, reference_models: Any
+) -> None:
+    """A caller of the internal API rewrites its handle's block ids to guess those of a prompt the
+    decode holds (the ids just before its own, as a count would have given them, and the first ids),
+    or those the next prompts will get (to leave its KV under them). Block ids are no count: the
+    decode holds no block of those ids, copies the handle's whole KV, and the tokens are the prompt's
+    own; the other prompt, run again, still gets its own."""
+    model, _ = reference_models(MODEL)
+    victim = prompt(70, 33)  # 4 full blocks of 8
+    expected_victim = reference_tokens(model, victim, 4)
+    assert run(
+        stack.address, make_request(prompt_token_ids=victim, max_tokens=4, temperature=0.0)
+    ).token_ids == (expected_victim)
+    mine = prompt(71, 33)
+    expected = reference_tokens(model, mine, 8)
+    before = decode_metrics(stack)
+    for guess in ("before", "first", "after"):
+        response = asyncio.run(prefill_directly(stack, mine))
+        handle = kv_pb2.KvHandle()
+        handle.CopyFrom(response.kv_handle)
+        own = list(handle.block_ids)
+        assert len(own) == 4 and handle.block_size == BLOCK
+        forged = {
+            "before": [(own[0] - 4 + i) % (1 << 64) for i in range(4)],
+            "first": [1, 2, 3, 4],
+            "after": [(max(own) + 1 + i) % (1 << 64) for i in range(4)],
+        }[guess]
+        del handle.block_ids[:]
+        handle.block_ids.extend(forged)
+        tokens = [
+            response.first_token_id,
+            *asyncio.run(decode_directly(stack, handle, response.first_token_id)),
+        ]
+        assert tokens == expected, guess
+    assert decode_metrics(stack)[SHARED] == before[SHARED]
+    again = run(stack.address, make_request(prompt_token_ids=victim, max_tokens=4, temperature=0.0))
+    assert again.token_ids == expected_victim
     assert_no_leaks(stack)
 
 
