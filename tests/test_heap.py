@@ -40,7 +40,9 @@ def test_freeze_collects_the_garbage_and_keeps_the_rest_out_of_later_collections
     finally:
         gc.enable()
     assert gone() is None
-    assert frozen == gc.get_freeze_count() > 0
+    # Frozen objects that die later (freed by reference counts here or in another thread of the
+    # test process) leave the permanent generation, so the count can only have fallen since.
+    assert 0 < gc.get_freeze_count() <= frozen
     assert frozen > 0.9 * tracked  # what was alive, less the garbage the freeze's collection freed
     assert all(obj is not alive for obj in gc.get_objects())  # later collections do not walk it
     assert not any(obj is alive for obj in gc.get_objects(generation=2))
