@@ -352,9 +352,14 @@ class PrefillEngine:
         if self._prefix is None or not blocks:
             return
         size = self._prefix.block_size
-        start, end = blocks[0][1] * size, (blocks[-1][1] + 1) * size
-        ids = self._prefix.insert([h for h, _ in blocks], [(k[:, start:end], v[:, start:end]) for k, v in kv])
-        job.cached(blocks[0][1], ids)
+        first = blocks[0][1]
+        start, end = first * size, (blocks[-1][1] + 1) * size
+        # The block before, when this prompt's own forward computed it: the new ones go right after.
+        after = job.hashes[first - 1] if first > 0 and (first - 1) * size >= job.cached_tokens else None
+        ids = self._prefix.insert(
+            [h for h, _ in blocks], [(k[:, start:end], v[:, start:end]) for k, v in kv], after
+        )
+        job.cached(first, ids)
 
     def _first_token(
         self, job: PromptJob, row: int, out: ForwardOutput, parts: KvParts, batch_size: int

@@ -10,11 +10,22 @@ are found.
 Each block's keys and values lie in one slot of per-layer pools ``[heads, blocks * block_size,
 width]`` allocated once on the model's device: a prompt's blocks, in consecutive slots as a rule,
 are copied in as one slice and read back as a view (a match stops before a few last blocks in
-other slots; one scattered further is gathered with one index per layer and tensor). ``lookup`` takes a
-reference on the blocks it finds (``release`` gives it back); a block nobody references waits in
-LRU order (a prompt's later blocks before its earlier ones) and is evicted when ``insert`` needs
-room. The cache never holds more than ``capacity_tokens`` tokens:
-when every block is referenced, a new block is simply not cached.
+other slots; one scattered further is gathered with one index per layer and tensor, once for all
+the matches of the same blocks held at a time). ``lookup`` takes a reference on the blocks it finds
+(``release`` gives it back); a block nobody references waits in LRU order (a prompt's later blocks
+before its earlier ones) and is evicted when ``insert`` needs room. The cache never holds more than
+``capacity_tokens`` tokens: when every block is referenced, a new block is simply not cached.
+
+Where ``insert`` puts new blocks keeps a prompt's blocks in consecutive slots once the cache is
+full too: evicting slot by slot in LRU order would scatter every prompt cached from then on over
+the slots its predecessors left, and each later hit on it would gather its KV (measured on the
+reference model of ``shared/PEERS.md``, 1024 cached tokens: 3-60 ms per request on the 2-core CPU
+machine, where a view costs nothing). The blocks of one insert take the run of as many consecutive
+slots, each unused or holding an unreferenced block, whose most recently used block is the least
+recently used (unused slots first): the blocks it evicts are all older than that one. A prompt's
+blocks offered after an earlier forward of the same prompt (a chunked prompt) take the slots right
+after its previous block when those can be taken. Only when no such run exists (referenced blocks
+everywhere between) do the blocks go slot by slot in LRU order.
 
 Every block cached gets an id of its own (``Block.uid``, from ``BlockIds``: never given twice by one
 cache, and not guessable): a prompt's KV handle lists the ids of its first blocks, so that a decode
@@ -34,6 +45,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -46,6 +58,8 @@ MAX_BLOCK_SIZE = 4096
 # before matches its own later blocks too, cached apart from the prefix it shares).
 MIN_RUN_SHARE = (3, 4)
 HASH_BYTES = 16
+UNUSED = -1  # the age of a slot never used, or emptied by ``clear``
+HELD = np.iinfo(np.int64).max  # the age of a slot whose block is referenced (or being filled)
 MAX_DEFAULT_BYTES = 4 << 30
 
 # Per layer, the keys and values of some tokens: ``[heads, tokens, width]`` each.
@@ -101,6 +115,7 @@ class PrefixMatch:
 
     blocks: list[Block] = field(default_factory=list)
     block_size: int = 0
+    gathered: tuple[int, ...] | None = None  # the slots of the gathered KV it holds (``kv``)
 
     @property
     def num_tokens(self) -> int:
@@ -137,7 +152,14 @@ class PrefixCache:
         self._device = device
         self._blocks: dict[bytes, Block] = {}
         self._free: OrderedDict[bytes, Block] = OrderedDict()  # unreferenced, least recently used first
-        self._unused_slots = list(range(n - 1, -1, -1))
+        self._slot_blocks: list[Block | None] = [None] * n  # the block in each slot (None: unused)
+        # Per slot, when insert may take it: UNUSED, when its block was freed (the order of
+        # ``_free``), or HELD (its block is referenced) .
+        self._age = np.full(n, UNUSED, dtype=np.int64)
+        self._clock = 0
+        self._next_unused = 0  # unused slots from here on, at the start (consecutive, lowest first)
+        # Gathered KV of scattered matches, shared by the matches of the same slots: (holders, kv).
+        self._gathered: dict[tuple[int, ...], tuple[int, LayerKv]] = {}
         self._on_evict = on_evict
         self._ids = block_ids if block_ids is not None else BlockIds()
 
@@ -153,6 +175,11 @@ class PrefixCache:
     @property
     def num_referenced_blocks(self) -> int:
         return len(self._blocks) - len(self._free)
+
+    @property
+    def num_gathered(self) -> int:
+        """Copies of scattered matches' KV held now (one per set of blocks, while a match holds it)."""
+        return len(self._gathered)
 
     def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
         return block_hashes(token_ids, self.block_size)
@@ -174,6 +201,7 @@ class PrefixCache:
         for block in found:
             if block.refs == 0:
                 del self._free[block.block_hash]
+                self._age[block.slot] = HELD
             block.refs += 1
             match.blocks.append(block)
         return match
@@ -187,12 +215,20 @@ class PrefixCache:
         if all(block.slot == first + i for i, block in enumerate(match.blocks)):
             start, end = first * size, (first + len(match.blocks)) * size
             return [(keys[:, start:end], values[:, start:end]) for keys, values in self._pools]
-        tokens = torch.tensor(
-            [block.slot * size + t for block in match.blocks for t in range(size)], device=self._device
-        )
-        return [
-            (keys.index_select(1, tokens), values.index_select(1, tokens)) for keys, values in self._pools
-        ]
+        slots = tuple(block.slot for block in match.blocks)
+        if match.gathered is not None:
+            return self._gathered[match.gathered][1]
+        holders, kv = self._gathered.get(slots, (0, []))
+        if not holders:
+            tokens = torch.tensor(
+                [slot * size + t for slot in slots for t in range(size)], device=self._device
+            )
+            kv = [
+                (keys.index_select(1, tokens), values.index_select(1, tokens)) for keys, values in self._pools
+            ]
+        self._gathered[slots] = (holders + 1, kv)
+        match.gathered = slots
+        return kv
 
     def release(self, match: PrefixMatch) -> None:
         """Gives back ``lookup``'s references (once); blocks nobody references become evictable, a
@@ -200,28 +236,34 @@ class PrefixCache:
         for block in reversed(match.blocks):
             block.refs -= 1
             if block.refs == 0 and self._blocks.get(block.block_hash) is block:
-                self._free[block.block_hash] = block
+                self._make_free(block)
         match.blocks = []
+        if match.gathered is not None:
+            holders, kv = self._gathered.pop(match.gathered)
+            if holders > 1:
+                self._gathered[match.gathered] = (holders - 1, kv)
+            match.gathered = None
 
     def contains(self, block_hash: bytes) -> bool:
         return block_hash in self._blocks
 
-    def insert(self, hashes: Sequence[bytes], kv: LayerKv) -> list[int | None]:
+    def insert(self, hashes: Sequence[bytes], kv: LayerKv, after: bytes | None = None) -> list[int | None]:
         """Caches a copy of consecutive blocks of a prompt: ``kv`` holds their tokens (per layer
-        ``[heads, len(hashes) * block_size, width]``), ``hashes`` their hashes. Evicts the least
-        recently used unreferenced blocks when full. Returns, per hash, the id of the block cached
-        with ``kv``'s tokens, or None where none was (one already there, or no room left because
-        every block is referenced)."""
+        ``[heads, len(hashes) * block_size, width]``), ``hashes`` their hashes; ``after``: the hash
+        of the prompt's block before them, when the same prompt's earlier forward computed it. Evicts
+        unreferenced blocks when full, least recently used first (see the module's text). Returns, per
+        hash, the id of the block cached with ``kv``'s tokens, or None where none was (one already
+        there, or no room left because every block is referenced)."""
         added: list[Block] = []
         uids: list[int | None] = [None] * len(hashes)
         runs: list[tuple[int, int, int]] = []  # (first block of kv, first slot, blocks): consecutive slots
-        for i, block_hash in enumerate(hashes):
-            if block_hash in self._blocks:
-                continue
-            slot = self._free_slot()
-            if slot is None:
-                break
+        new = [i for i, block_hash in enumerate(hashes) if block_hash not in self._blocks]
+        previous = self._blocks.get(after) if after is not None else None
+        slots = self._take_slots(len(new), previous.slot + 1 if previous is not None else None)
+        for i, slot in zip(new, slots, strict=False):  # fewer slots: no room for the later blocks
+            block_hash = hashes[i]
             block = Block(block_hash, slot, self._ids.next_id())
+            self._slot_blocks[slot] = block
             self._blocks[block_hash] = block
             added.append(block)
             uids[i] = block.uid
@@ -239,26 +281,81 @@ class PrefixCache:
                     v[:, first * size : (first + count) * size]
                 )
         for block in reversed(added):  # the prompt's later blocks are evicted first
-            self._free[block.block_hash] = block
+            self._make_free(block)
         return uids
 
-    def _free_slot(self) -> int | None:
-        if self._unused_slots:
-            return self._unused_slots.pop()
-        if not self._free:
+    def _make_free(self, block: Block) -> None:
+        """``block`` is referenced no more: it may be evicted, after the blocks freed before it."""
+        self._free[block.block_hash] = block
+        self._age[block.slot] = self._clock
+        self._clock += 1
+
+    def _take_slots(self, count: int, wanted: int | None) -> list[int]:
+        """``count`` slots emptied for new blocks (fewer when the rest is referenced): ``wanted`` and
+        the slots following it when they can be taken, else the run of consecutive slots whose most
+        recently freed block is the least recently freed, else slot by slot in LRU order."""
+        if count == 0:
+            return []
+        n = len(self._slot_blocks)
+        start: int | None = None
+        if (
+            wanted is not None
+            and wanted + count <= n
+            and bool((self._age[wanted : wanted + count] != HELD).all())
+        ):
+            start = wanted
+        elif self._next_unused + count <= n:  # never used yet: the next ones in order
+            start = self._next_unused
+        if start is None:
+            start = self._oldest_run(count)
+        slots = self._least_recent(count) if start is None else list(range(start, start + count))
+        for slot in slots:
+            self._evict(slot)
+        return slots
+
+    def _oldest_run(self, count: int) -> int | None:
+        """The first slot of the run of ``count`` takeable slots whose newest block is the oldest."""
+        if count > len(self._slot_blocks):
             return None
-        evicted_hash, evicted = self._free.popitem(last=False)
-        del self._blocks[evicted_hash]
+        newest = self._age if count == 1 else _window_max(self._age, count)
+        first = int(np.argmin(newest))
+        return first if newest[first] != HELD else None
+
+    def _least_recent(self, count: int) -> list[int]:
+        """Up to ``count`` takeable slots, unused ones first, then in the order their blocks were freed."""
+        takeable = np.flatnonzero(self._age != HELD)
+        order = np.argsort(self._age[takeable], kind="stable")
+        return [int(slot) for slot in takeable[order[:count]]]
+
+    def _evict(self, slot: int) -> None:
+        """Empties a takeable slot."""
+        block = self._slot_blocks[slot]
+        self._age[slot] = HELD  # the caller fills it
+        self._next_unused = max(self._next_unused, slot + 1)
+        if block is None:
+            return
+        self._slot_blocks[slot] = None
+        del self._free[block.block_hash]
+        del self._blocks[block.block_hash]
         if self._on_evict is not None:
             self._on_evict(self.block_size)
-        return evicted.slot
 
     def clear(self) -> None:
         """Drops every unreferenced block."""
         for block_hash, block in self._free.items():
             del self._blocks[block_hash]
-            self._unused_slots.append(block.slot)
+            self._slot_blocks[block.slot] = None
+            self._age[block.slot] = UNUSED
         self._free.clear()
-        # Lowest slot taken first, as at the start: a prompt's blocks then lie in consecutive slots,
-        # and ``kv`` returns views of the pools instead of gathering them for every request.
-        self._unused_slots.sort(reverse=True)
+
+
+def _window_max(values: np.ndarray, width: int) -> np.ndarray:
+    """The maximum of every window of ``width`` consecutive ``values`` (van Herk / Gil-Werman: two
+    running maxima per block of ``width``, linear in the length)."""
+    n = len(values)
+    padded = np.concatenate([values, np.full(-n % width, values.max(initial=0), dtype=values.dtype)])
+    blocks = padded.reshape(-1, width)
+    ahead = np.maximum.accumulate(blocks, axis=1).ravel()  # max from the block's start
+    behind = np.maximum.accumulate(blocks[:, ::-1], axis=1)[:, ::-1].ravel()  # max to the block's end
+    first = np.arange(n - width + 1)
+    return np.maximum(behind[first], ahead[first + width - 1])

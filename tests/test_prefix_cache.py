@@ -167,6 +167,81 @@ def test_blocks_in_scattered_slots_come_back_in_order() -> None:
     assert cache.lookup(cache.hashes(a), len(a)).num_tokens == 4
 
 
+def touch(cache: PrefixCache, prompt: list[int]) -> None:
+    """Makes ``prompt``'s cached blocks the most recently used."""
+    cache.release(cache.lookup(cache.hashes(prompt), len(prompt)))
+
+
+def one_block_prompts(count: int, block_size: int = 4) -> list[list[int]]:
+    """Prompts of one full block each (and a last token), all different."""
+    return [list(range(100 * i, 100 * i + block_size + 1)) for i in range(count)]
+
+
+def test_a_full_cache_puts_a_new_prompts_blocks_in_consecutive_slots() -> None:
+    evicted: list[int] = []
+    cache = new_cache(4, 24, on_evict=evicted.append)  # six blocks
+    p = one_block_prompts(6)
+    for prompt in p:
+        fill(cache, prompt)  # slots 0..5, least recently used first
+    for i in (1, 3, 5):
+        touch(cache, p[i])  # LRU order now p0 p2 p4 p1 p3 p5: the oldest two are not neighbours
+    d = list(range(2000, 2009))
+    fill(cache, d)
+    # The run of two slots whose newer block is the oldest: p0 and p1, not the scattered p0 and p2.
+    assert evicted == [4, 4]
+    assert [cache.lookup(cache.hashes(q), len(q)).num_tokens for q in p] == [0, 0, 4, 4, 4, 4]
+    match = cache.lookup(cache.hashes(d), len(d))
+    assert match.num_tokens == 8
+    keys, values = cache.kv(match)[0]
+    assert keys._is_view() and values._is_view()  # read in place, not gathered
+    assert keys[0, :, 0].tolist() == [0.0] * 4 + [1.0] * 4
+
+
+def test_a_prompts_later_blocks_follow_its_earlier_ones() -> None:
+    def second_half_lands_after_the_first(after: bool) -> bool:
+        cache = new_cache(4, 32)  # eight blocks
+        p = one_block_prompts(8)
+        for prompt in p:
+            fill(cache, prompt)
+        touch(cache, p[0])
+        touch(cache, p[1])
+        x = list(range(2000, 2017))  # four blocks, offered two at a time (two chunks)
+        hashes = cache.hashes(x)
+        assert insert(cache, hashes[:2], blocks_kv(2)) != [None, None]  # p2 and p3's slots
+        for q in (p[4], p[5]):
+            touch(cache, q)  # the oldest two slots are now p6 and p7's
+        second = blocks_kv(4)
+        ids = cache.insert(
+            hashes[2:], [(k[:, 8:], v[:, 8:]) for k, v in second], hashes[1] if after else None
+        )
+        assert None not in ids
+        keys, _ = cache.kv(cache.lookup(hashes, len(x)))[0]
+        assert keys[0, :, 0].tolist() == [0.0] * 4 + [1.0] * 4 + [2.0] * 4 + [3.0] * 4
+        return keys._is_view()
+
+    assert second_half_lands_after_the_first(after=True)
+    assert not second_half_lands_after_the_first(after=False)  # the oldest run: gathered on every hit
+
+
+def test_matches_of_the_same_scattered_blocks_share_one_gathered_copy() -> None:
+    cache = new_cache(4, 32)  # eight blocks
+    p = one_block_prompts(8)
+    for prompt in p:
+        fill(cache, prompt)
+    held = [cache.lookup(cache.hashes(p[i]), len(p[i])) for i in (1, 3, 5, 7)]  # no two free neighbours
+    x = list(range(2000, 2009))
+    fill(cache, x)  # the two least recently used: slots 0 and 2
+    first, second = (cache.lookup(cache.hashes(x), len(x)) for _ in range(2))
+    (a, _), (b, _) = cache.kv(first)[0], cache.kv(second)[0]
+    assert not a._is_view() and a.data_ptr() == b.data_ptr() and cache.num_gathered == 1
+    cache.release(first)
+    assert cache.num_gathered == 1 and b[0, :, 0].tolist() == [0.0] * 4 + [1.0] * 4
+    cache.release(second)
+    for match in held:
+        cache.release(match)
+    assert cache.num_gathered == 0
+
+
 def test_no_capacity_caches_nothing_and_clear_keeps_referenced_blocks() -> None:
     assert insert(new_cache(4, 3), [b"x" * 16], blocks_kv(1)) == [None]
     cache = new_cache(4, 64)
@@ -241,9 +316,14 @@ def test_the_bound_is_never_exceeded(ops: list[tuple[list[int], bool]], capacity
             cache.release(match)
         if len(held) > 3:
             cache.release(held.pop(0))
+        for kept in held:  # a referenced block is never evicted nor overwritten
+            if kept.blocks:
+                keys, values = cache.kv(kept)[0]
+                expected = torch.arange(len(kept.blocks), dtype=torch.float32).repeat_interleave(2)
+                assert torch.equal(keys[1, :, 2], expected) and torch.equal(values[0, :, 4], -expected)
     for match in held:
         cache.release(match)
-    assert cache.num_referenced_blocks == 0
+    assert cache.num_referenced_blocks == 0 and cache.num_gathered == 0
 
 
 def test_schedule_takes_whole_prompts_in_order_within_the_budget() -> None:

@@ -195,3 +195,39 @@ def test_a_long_prompt_runs_in_chunks_and_a_short_one_between_them(models: dict[
     assert torch.allclose(
         long_result.kv.tensor.view(torch.float32), unchunked.kv.tensor.view(torch.float32), atol=1e-4
     )
+
+
+def test_a_prompt_chunked_into_a_full_cache_lies_in_consecutive_blocks(
+    models: dict[str, EngineModel],
+) -> None:
+    """Once the cache is full and its least recently used blocks are scattered, a prompt run in
+    chunks still takes consecutive slots: a later prompt over it reads its KV in place (no gather)
+    and stays exact."""
+    m = models["tiny-llama"]
+    cache = PrefixCache(4, 96, m.kv_layout, m.device)  # 24 blocks
+    engine = PrefillEngine(m, m.device, max_batch_tokens=16, prefix_cache=cache)
+    fillers = [random_prompt(m, 9, 40 + i) for i in range(12)]  # two blocks each: the cache is full
+    long = random_prompt(m, 41, 60)  # ten blocks, offered chunk by chunk
+    again = [*long[:40], *random_prompt(m, 3, 61)]
+
+    async def run_all() -> tuple[PrefillResult, PrefillResult]:
+        for prompt in fillers:
+            await engine.run(prompt, GREEDY)
+        for prompt in fillers[1::2]:
+            await engine.run(prompt, GREEDY)  # every other filler used again: the oldest are apart
+        await engine.run(long, GREEDY)
+        match = cache.lookup(cache.hashes(again), len(again))
+        try:
+            keys, values = cache.kv(match)[0]
+            assert match.num_tokens == 40 and keys._is_view() and values._is_view()
+        finally:
+            cache.release(match)
+        return await engine.run(long, GREEDY), await engine.run(again, GREEDY)
+
+    try:
+        first, second = asyncio.run(run_all())
+    finally:
+        engine.close()
+    assert first.cached_tokens == second.cached_tokens == 40
+    assert continuation(m, again, second, 4) == reference_tokens(m.model, again, 4)
+    assert cache.num_referenced_blocks == 0 and cache.num_gathered == 0
