@@ -34,7 +34,9 @@ def models(cache_dir: Path) -> Iterator[dict[str, EngineModel]]:
 
     def get(name: str) -> EngineModel:
         if name not in loaded:
-            loaded[name] = load_engine_model(EngineConfig(model=name, cache_dir=str(cache_dir)))
+            loaded[name] = load_engine_model(
+                EngineConfig(model=name, cache_dir=str(cache_dir), compile="false")
+            )
         return loaded[name]
 
     yield _Lazy(get)  # type: ignore[misc]

@@ -188,7 +188,7 @@ def test_the_cache_is_on_by_default(stack_pool: StackPool) -> None:
 def test_no_prefix_cache_turns_it_off(cache_dir: Path) -> None:
     from prometheus_client import CollectorRegistry
 
-    m = load_engine_model(EngineConfig(model=MODEL, cache_dir=str(cache_dir)))
+    m = load_engine_model(EngineConfig(model=MODEL, cache_dir=str(cache_dir), compile="false"))
     metrics = PrefillMetrics(CollectorRegistry())
     for config in (PrefillConfig(no_prefix_cache=True), PrefillConfig(prefix_cache_tokens=0)):
         assert build_prefix_cache(config, m, metrics) is None

@@ -36,7 +36,7 @@ REGEX = r"[a-z]{3,6} [0-9]{2}"
 
 @pytest.fixture(scope="module")
 def m(cache_dir: Path) -> EngineModel:
-    return load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir)))
+    return load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false"))
 
 
 @pytest.fixture(scope="module")
