@@ -62,21 +62,34 @@ class PackedLinear(nn.Module):
         )
 
 
-@torch.library.custom_op("pdserve::packed_linear", mutates_args=())
-def packed_linear(
+# The operator is defined with torch.library's low-level API: a call goes through the dispatcher
+# straight to ``_packed_product``, without ``torch.library.custom_op``'s Python layers (its autograd
+# wrapper, alias checks and redispatch: 73 against 61 us per call at 32 rows of 256 x 256, where
+# oneDNN's own call takes 58; 29 such calls per decode step of the reference model).
+_LIBRARY = torch.library.Library("pdserve", "DEF")
+_LIBRARY.define("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
+
+
+def _packed_product(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` over oneDNN's packed ``weight``: an operator of its own, which compiled
-    code calls as it is (the packed tensor has no strides to trace)."""
+    """``x @ weight.T + bias`` over oneDNN's packed ``weight``."""
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return out
 
 
-@packed_linear.register_fake
-def _packed_linear_shape(
+def _packed_product_shape(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+# Every backend key (a packed weight dispatches as MkldnnCPU, its input as CPU); inference only.
+_LIBRARY.impl("packed_linear", _packed_product, "CompositeExplicitAutograd")
+torch.library.register_fake("pdserve::packed_linear", _packed_product_shape, lib=_LIBRARY)
+# ``x @ weight.T + bias`` over oneDNN's packed ``weight``: an operator of its own, which compiled code
+# calls as it is (the packed tensor has no strides to trace).
+packed_linear = torch.ops.pdserve.packed_linear
 
 
 def pack_linear_weights(model: nn.Module) -> int:
