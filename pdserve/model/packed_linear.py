@@ -87,8 +87,7 @@ def _packed_product_shape(
 # Every backend key (a packed weight dispatches as MkldnnCPU, its input as CPU); inference only.
 _LIBRARY.impl("packed_linear", _packed_product, "CompositeExplicitAutograd")
 torch.library.register_fake("pdserve::packed_linear", _packed_product_shape, lib=_LIBRARY)
-# ``x @ weight.T + bias`` over oneDNN's packed ``weight``: an operator of its own, which compiled code
-# calls as it is (the packed tensor has no strides to trace).
+# What ``PackedLinear`` calls, and compiled code with it (the packed tensor has no strides to trace).
 packed_linear = torch.ops.pdserve.packed_linear
 
 
