@@ -25,15 +25,15 @@ from gateway.openai_logprobs import (
 from gateway.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.request_flow import _Progress
 from gateway.text_stream import TextStream
-from pdserve.config import EngineConfig, RequestLimits
+from pdserve.config import RequestLimits
 from pdserve.core.limits import ModelLimits
 from pdserve.core.logprobs import PROMPT_CHUNK, position_logprobs, prompt_logprobs, rows_logprobs, top_k
 from pdserve.core.sampling import SamplingParams
-from pdserve.model.engine_model import load_engine_model
 from pdserve.rpc.logprobs_proto import logprobs_to_proto
 from pdserve.rpc.sampling_proto import sampling_from_proto, sampling_to_proto
 from pdserve.v1 import sampling_pb2
 from prefill_service.engine import PrefillEngine, PrefillResult
+from tests.engine_models import eager_engine_model
 
 
 def test_top_k_orders_by_value_then_lower_id() -> None:
@@ -103,7 +103,7 @@ def test_prefill_keeps_positions_only_for_requests_that_ask(cache_dir: Path) -> 
     asking for prompt logprobs gets its prompt's (the forward keeps the positions of the longest row
     that asks), each gets the first token's logprobs only when it asks, and all equal a lone
     reference forward."""
-    m = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false"))
+    m = eager_engine_model("tiny-llama", cache_dir)
     engine = PrefillEngine(m, m.device, max_batch_tokens=100_000)
     generator = torch.Generator().manual_seed(9)
     long_prompt = torch.randint(3, m.limits.vocab_size, (m.limits.max_model_len - 1,), generator=generator)

@@ -11,9 +11,8 @@ import torch
 import torch._dynamo.testing
 from torch import nn
 
-from pdserve.config import EngineConfig
-from pdserve.model.engine_model import load_engine_model
 from pdserve.model.packed_linear import PackedLinear, can_pack_linear_weights, pack_linear_weights
+from tests.engine_models import eager_engine_model
 from tests.test_equivalence import reference_tokens
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
@@ -65,10 +64,10 @@ def test_every_unshared_linear_weight_is_packed() -> None:
 
 
 def test_an_eager_model_packs_its_weights_and_keeps_its_greedy_tokens(cache_dir: Path) -> None:
-    m = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false"))
+    m = eager_engine_model("tiny-llama", cache_dir)
     packed = [module for module in m.model.modules() if isinstance(module, PackedLinear)]
     assert len(packed) >= m.model.config.num_hidden_layers * 7  # q k v o, gate up down per layer
-    reference = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false"))
+    reference = eager_engine_model("tiny-llama", cache_dir)
     for module in list(reference.model.modules()):  # the same weights, unpacked
         for name, child in list(module.named_children()):
             if isinstance(child, PackedLinear):

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.config import EngineConfig
 from pdserve.core.sampling import SamplingParams
-from pdserve.model.engine_model import load_engine_model
 from prefill_service.engine import PrefillEngine
+from tests.engine_models import eager_engine_model
 from tests.test_equivalence import reference_tokens
 
 
@@ -29,7 +28,7 @@ from tests.test_equivalence import reference_tokens
 def test_waiting_prompts_are_batched_up_to_the_token_budget(
     cache_dir: Path, max_forward_tokens: int, batch_sizes: list[int]
 ) -> None:
-    m = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false"))
+    m = eager_engine_model("tiny-llama", cache_dir)
     engine = PrefillEngine(m, m.device, max_batch_tokens=48, max_forward_tokens=max_forward_tokens)
     generator = torch.Generator().manual_seed(4)
     # A long prompt keeps the engine busy while the others arrive and wait together.

@@ -15,13 +15,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from pdserve.config import EngineConfig
 from pdserve.core.sampling import SamplingParams
 from pdserve.kv.layout import unpack
-from pdserve.model.engine_model import EngineModel, load_engine_model
+from pdserve.model.engine_model import EngineModel
 from pdserve.model.shared_prefix_attention import use_shared_prefix_attention
 from prefill_service.engine import PrefillEngine, PrefillResult
 from prefill_service.prefix_cache import PrefixCache, reuse_problem
+from tests.engine_models import eager_engine_model
 from tests.test_equivalence import reference_tokens
 
 PRESETS = ["tiny-llama", "tiny-moe", "tiny-mla-moe", "tiny-deepseek-moe"]
@@ -34,9 +34,7 @@ def models(cache_dir: Path) -> Iterator[dict[str, EngineModel]]:
 
     def get(name: str) -> EngineModel:
         if name not in loaded:
-            loaded[name] = load_engine_model(
-                EngineConfig(model=name, cache_dir=str(cache_dir), compile="false")
-            )
+            loaded[name] = eager_engine_model(name, cache_dir)
         return loaded[name]
 
     yield _Lazy(get)  # type: ignore[misc]

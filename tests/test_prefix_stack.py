@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.config import EngineConfig, PrefillConfig
-from pdserve.model.engine_model import load_engine_model
+from pdserve.config import PrefillConfig
 from pdserve.v1 import kv_pb2
 from prefill_service.metrics import PrefillMetrics
 from prefill_service.server import build_prefix_cache
 from tests.conftest import StackPool, assert_no_leaks
+from tests.engine_models import eager_engine_model
 from tests.grpc_client import generate, make_request, run
 from tests.stack import Stack, scrape
 from tests.test_equivalence import reference_tokens
@@ -188,7 +188,7 @@ def test_the_cache_is_on_by_default(stack_pool: StackPool) -> None:
 def test_no_prefix_cache_turns_it_off(cache_dir: Path) -> None:
     from prometheus_client import CollectorRegistry
 
-    m = load_engine_model(EngineConfig(model=MODEL, cache_dir=str(cache_dir), compile="false"))
+    m = eager_engine_model(MODEL, cache_dir)
     metrics = PrefillMetrics(CollectorRegistry())
     for config in (PrefillConfig(no_prefix_cache=True), PrefillConfig(prefix_cache_tokens=0)):
         assert build_prefix_cache(config, m, metrics) is None

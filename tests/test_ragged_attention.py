@@ -19,12 +19,11 @@ from transformers import DynamicCache
 from decode_service.engine import RAGGED_WARM_UP, DecodeEngine
 from decode_service.kv_pool import KvPool
 from decode_service.metrics import DecodeMetrics
-from pdserve.config import EngineConfig
-from pdserve.model.engine_model import load_engine_model
 from pdserve.model.ragged_attention import MIN_SAVED, SPLIT_COST, RaggedRows, ragged_attention, split_rows
 from pdserve.model.shared_prefix_attention import enable_ragged_attention
 from tests.decode_batch import decode_as_one_batch
 from tests.devices import ON_CPU_AND_CUDA
+from tests.engine_models import eager_engine_model
 from tests.test_equivalence import reference_tokens
 
 
@@ -144,9 +143,7 @@ def _engine_tokens(
 
 @ON_CPU_AND_CUDA
 def test_decode_of_rows_of_very_different_lengths_equals_generate(cache_dir: Path, device: str) -> None:
-    m = load_engine_model(
-        EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false", device=device)
-    )
+    m = eager_engine_model("tiny-llama", cache_dir, device)
     assert enable_ragged_attention(m.model, "decode")
     generator = torch.Generator().manual_seed(5)
     lengths = (3, 9, 600, 5, 12, 7, 580, 4, 6, 8, 10, 11)

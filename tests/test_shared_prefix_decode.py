@@ -20,13 +20,12 @@ from decode_service.kv_pool import KvPool
 from decode_service.metrics import DecodeMetrics
 from decode_service.sequence import DecodeSequence, Emission
 from decode_service.step_cache import MIN_SHARED_TOKENS, BatchContext
-from pdserve.config import EngineConfig
 from pdserve.core.sampling import SamplingParams
 from pdserve.kv.layout import KvLayout
-from pdserve.model.engine_model import load_engine_model
 from pdserve.model.shared_prefix_attention import attend, use_shared_prefix_attention
 from tests.decode_batch import decode_as_one_batch
 from tests.devices import ON_CPU_AND_CUDA
+from tests.engine_models import eager_engine_model
 from tests.test_equivalence import reference_tokens
 
 
@@ -177,7 +176,7 @@ def _engine_tokens(
 
 
 def test_decode_over_a_shared_prefix_equals_generate(cache_dir: Path) -> None:
-    m = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false"))
+    m = eager_engine_model("tiny-llama", cache_dir)
     assert use_shared_prefix_attention(m.model) is None
     generator = torch.Generator().manual_seed(11)
     prefix = torch.randint(3, m.limits.vocab_size, (37,), generator=generator).tolist()
@@ -198,9 +197,7 @@ def test_requests_joining_and_leaving_over_a_shared_prefix_equal_generate(
 ) -> None:
     # Rows join one by one (the first alone leaves all but one position to the prefix), one that
     # shares nothing joins mid-run (every row takes the prefix back) and leaves, rows leave early.
-    m = load_engine_model(
-        EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false", device=device)
-    )
+    m = eager_engine_model("tiny-llama", cache_dir, device)
     assert use_shared_prefix_attention(m.model) is None
     generator = torch.Generator().manual_seed(5)
 

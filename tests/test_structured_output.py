@@ -20,14 +20,14 @@ from decode_service.engine import DecodeEngine
 from decode_service.kv_pool import KvPool
 from decode_service.metrics import DecodeMetrics
 from decode_service.sequence import DecodeSequence, Emission
-from pdserve.config import EngineConfig
 from pdserve.core.finish import LENGTH, STOP
 from pdserve.core.grammar import Grammars, apply_masks, grammar_of
 from pdserve.core.sampling import SamplingParams
 from pdserve.core.structured_output import MAX_CHOICES, MAX_SPEC_BYTES, StructuredOutput
-from pdserve.model.engine_model import EngineModel, load_engine_model
+from pdserve.model.engine_model import EngineModel
 from pdserve.rpc.sampling_proto import sampling_from_proto, sampling_to_proto
 from prefill_service.engine import PrefillEngine
+from tests.engine_models import eager_engine_model
 from tests.test_equivalence import reference_tokens
 
 CHOICES = ("The capital of France is Paris.", "A small town sat at the edge of a wide river")
@@ -36,7 +36,7 @@ REGEX = r"[a-z]{3,6} [0-9]{2}"
 
 @pytest.fixture(scope="module")
 def m(cache_dir: Path) -> EngineModel:
-    return load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false"))
+    return eager_engine_model("tiny-llama", cache_dir)
 
 
 @pytest.fixture(scope="module")

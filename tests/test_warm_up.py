@@ -16,6 +16,7 @@ from pdserve.config import EngineConfig
 from pdserve.core.sampling import SamplingParams
 from pdserve.model.engine_model import load_engine_model
 from prefill_service.engine import PrefillEngine
+from tests.engine_models import eager_engine_model
 from tests.test_decode_engine import run_one
 from tests.test_equivalence import reference_tokens
 
@@ -40,7 +41,7 @@ def test_decode_warm_up_frees_its_blocks_and_counts_no_steps(cache_dir: Path) ->
 
 
 def test_prefill_warm_up_then_requests(cache_dir: Path) -> None:
-    m = load_engine_model(EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="false"))
+    m = eager_engine_model("tiny-llama", cache_dir)
     engine = PrefillEngine(m, torch.device("cpu"))
     try:
         assert engine.warm_up() > 0
