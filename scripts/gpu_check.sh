@@ -19,10 +19,15 @@
 # Usage: scripts/gpu_check.sh [PYTEST ARGS]   (from anywhere; writes $OUT/gpu-check/ or ./gpu-check/)
 # The Python it runs: .venv when its torch sees a GPU; else a CUDA environment of its own,
 # `.venv-gpu`, left in place for the next run: on top of the system python3 when that one's torch
-# sees a GPU (its other packages from PyPI, or from ./.whl/ when there is no network), otherwise a
-# fresh venv with a CUDA build of torch (from download.pytorch.org, else PyPI's Linux wheels). A CPU
-# torch in .venv (2.13.0+cpu, what `make` installs on CPU machines) is never upgraded in place: pip
-# ranks 2.13.0+cpu above PyPI's 2.13.0, so `pip install --upgrade torch` there does nothing.
+# sees a GPU, otherwise a fresh venv with a CUDA build of torch (from download.pytorch.org, else
+# PyPI's Linux wheels). Its other packages come from PyPI, or, on a machine without a network, from
+# the wheels in ./.whl/ (installed as they are, without resolving; the project itself then goes on
+# the path from this checkout). A CPU torch in .venv (2.13.0+cpu, what `make` installs on CPU
+# machines) is never upgraded in place: pip ranks 2.13.0+cpu above PyPI's 2.13.0, so
+# `pip install --upgrade torch` there does nothing.
+#
+# Only the test files holding GPU tests are collected (the others need development tools a GPU
+# machine may lack). Each service's log of the run is kept in the results as service-logs.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)
@@ -32,11 +37,15 @@ mkdir -p "$results"
 sees_gpu() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
 
 install_project() {  # $1: python of a venv whose torch is to be kept
-    local pip=("$1" -m pip install --quiet)
-    if [ -d .whl ]; then pip+=(--no-index --find-links .whl); fi
+    if [ -d .whl ]; then
+        "$1" -m pip install --quiet --no-index --no-deps --no-compile .whl/*.whl || return 1
+        "$1" -c "import sysconfig; print(sysconfig.get_path('purelib'))" \
+            | { read -r site && echo "$PWD" > "$site/pdserve-checkout.pth"; }
+        return
+    fi
     local torch_now
     torch_now=$("$1" -c "import torch; print(torch.__version__.split('+')[0])")
-    "${pip[@]}" -e ".[dev]" "torch==${torch_now}" || "${pip[@]}" --no-deps -e .
+    "$1" -m pip install --quiet -e ".[dev]" "torch==${torch_now}" || "$1" -m pip install --quiet --no-deps -e .
 }
 
 PY=""
@@ -64,8 +73,13 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 export PDSERVE_LOG_LEVEL=WARNING PYTHONUNBUFFERED=1
 
 status=0
+# The quick files first, the stacks of tests/test_gpu.py last.
+mapfile -t gpu_tests < <(grep -l -E "NEEDS_CUDA|ON_CPU_AND_CUDA|mark\.gpu" tests/test_*.py | grep -v "^tests/test_gpu.py$")
+gpu_tests+=(tests/test_gpu.py)
+basetemp=$(mktemp -d)
 timeout -s INT -k 30 330 "$PY" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$results/junit.xml" \
-    -o junit_logging=no tests/ "$@" | tee "$results/pytest.log" || status=1
+    -o junit_logging=no --basetemp="$basetemp" "${gpu_tests[@]}" "$@" | tee "$results/pytest.log" || status=1
+(cd "$basetemp" && find . -name "*.log" -print0 | tar czf "$results/service-logs.tgz" --null -T -) || true
 timeout 120 "$PY" scripts/bench_moe_decode.py --model deepseek-moe-16b-shape --device cuda:0 \
     --dtype bfloat16 --batch 1,16,64 --input-len 64 --output-len 64 --json \
     > "$results/bench_moe_decode.jsonl" 2> >(tee "$results/bench.log" >&2) || status=1

@@ -4,6 +4,7 @@ verdict that fails on any required test skipped or missing."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import subprocess
@@ -132,3 +133,15 @@ def test_the_summary_runs_as_the_check_runs_it(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["ok"] is True
+
+
+def test_the_wheels_for_an_offline_gpu_machine_are_the_project_closure_without_torch() -> None:
+    import gpu_wheels
+
+    pins = dict(pin.split("==") for pin in gpu_wheels.pinned())
+    for needed in ("grpcio", "grpcio-health-checking", "transformers", "fastapi", "llguidance", "pytest"):
+        assert needed in pins, needed
+    assert {"torch", "numpy", "sympy", "networkx"}.isdisjoint(pins), "the GPU machine's torch keeps its own"
+    assert pins["grpcio"] == importlib.metadata.version("grpcio")
+    text = SCRIPT.read_text()
+    assert "--no-index --no-deps" in text and ".whl/*.whl" in text
