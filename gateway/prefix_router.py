@@ -12,16 +12,23 @@ what it sent where instead (as SGLang's cache-aware router and Dynamo's KV route
 3. The choice, among the serving replicas: the one with the least prompt work, counted in tokens
    (as Dynamo's KV router counts blocks): the tokens of this prompt it would compute (those past
    its match) plus those its calls in flight are expected to compute (``pending_tokens``, what
-   this router predicted for them); the fewest outstanding calls among equals. A replica holding
-   the prefix wins until the work queued on it costs more than computing the prefix elsewhere.
+   this router predicted for them), plus the tokens of reused blocks (a later prompt was routed
+   over them) that this prompt's new blocks would evict from its cache, work it would redo for the
+   prompts still sharing them; the fewest outstanding calls among equals. A replica holding the
+   prefix wins until the work queued on it costs more than computing the prefix elsewhere, and a
+   prefix goes where it pushes out no prefix in use.
    When the choice has more than ``--prefix-balance-threshold`` calls outstanding beyond the least
    loaded replica, that one is chosen instead: a popular prefix never piles its requests on one
    replica; the other replica then computes it once and holds it too.
 4. The chosen replica is recorded under every block hash of the prompt.
-5. The index is bounded: at most ``--prefix-index-blocks`` hashes, least recently used evicted first. A
+5. Each replica's cache is modelled as the prefill keeps it: once its capacity is known (every
+   prefill answer carries it, ``learn_capacity``), the replica holds at most that many blocks, its
+   least recently routed ones leaving first, so a prefix the replica has evicted no longer counts
+   as held there.
+6. The index is bounded: at most ``--prefix-index-blocks`` hashes, least recently used evicted first. A
    prompt's blocks are touched last to first, so a chain is evicted from its tail and its head (the
    shared prefix) stays longest.
-6. A replica that leaves the pool is forgotten (``forget``); one that joins starts with no entries.
+7. A replica that leaves the pool is forgotten (``forget``); one that joins starts with no entries.
 """
 
 from __future__ import annotations
@@ -76,6 +83,10 @@ class PrefixRouter:
         self.config = config
         # block hash -> addresses it was routed to, least recently used first
         self._index: collections.OrderedDict[int, set[str]] = collections.OrderedDict()
+        # address -> the blocks its cache is thought to hold, least recently routed first, each
+        # with whether a later prompt was routed there over it (reused)
+        self._held: dict[str, collections.OrderedDict[int, bool]] = {}
+        self._capacity: dict[str, int] = {}  # address -> its cache's blocks (absent: not known yet)
 
     @property
     def num_blocks(self) -> int:
@@ -101,21 +112,27 @@ class PrefixRouter:
         def new_tokens(c: Replica) -> int:
             return len(token_ids) - matches.get(c.address, 0) * self.config.prefix_block_size
 
+        def cost(c: Replica) -> int:
+            return new_tokens(c) + c.pending_tokens + self._reused_tokens_evicted(hashes, c.address)
+
         least = min(candidates, key=lambda c: (c.outstanding, c.pending_tokens))
-        chosen = min(candidates, key=lambda c: (new_tokens(c) + c.pending_tokens, c.outstanding))
+        chosen = min(candidates, key=lambda c: (cost(c), c.outstanding))
         outcome = "prefix" if matches.get(chosen.address, 0) else "least-load"
         if chosen.outstanding - least.outstanding > self.config.prefix_balance_threshold:
             chosen, outcome = least, "balanced" if outcome == "prefix" else "least-load"
         self._record(hashes, chosen.address)
         return chosen, Routed(chosen.address, matches.get(chosen.address, 0), outcome, new_tokens(chosen))
 
+    def learn_capacity(self, address: str, cache_tokens: int) -> None:
+        """``address``'s prefix cache holds ``cache_tokens`` tokens (0: it has none)."""
+        self._capacity[address] = cache_tokens // self.config.prefix_block_size
+        self._trim(address)
+
     def forget(self, address: str) -> None:
         """Drops every entry of ``address`` (a replica that left)."""
-        for block in [b for b, holders in self._index.items() if address in holders]:
-            holders = self._index[block]
-            holders.discard(address)
-            if not holders:
-                del self._index[block]
+        for block in self._held.pop(address, {}):
+            self._drop(block, address)
+        self._capacity.pop(address, None)
 
     def _matches(self, hashes: Sequence[int], candidates: Sequence[Replica]) -> dict[str, int]:
         alive = {c.address for c in candidates}
@@ -132,6 +149,7 @@ class PrefixRouter:
         return matches
 
     def _record(self, hashes: Sequence[int], address: str) -> None:
+        held = self._held.setdefault(address, collections.OrderedDict())
         for block in reversed(hashes):  # the head last: most recently used, evicted last
             holders = self._index.get(block)
             if holders is None:
@@ -139,5 +157,46 @@ class PrefixRouter:
             else:
                 holders.add(address)
                 self._index.move_to_end(block)
+            held[block] = block in held  # reused: routed here again while held
+            held.move_to_end(block)
+        self._trim(address)
         while len(self._index) > self.config.prefix_index_blocks:
-            self._index.popitem(last=False)
+            block, holders = self._index.popitem(last=False)
+            for holder in holders:
+                self._held[holder].pop(block, None)
+
+    def _reused_tokens_evicted(self, hashes: Sequence[int], address: str) -> int:
+        """Tokens of reused blocks that the blocks of this prompt new to ``address`` would push out
+        of its cache (its least recently routed blocks first): the work it would later redo for
+        prompts still sharing them."""
+        capacity = self._capacity.get(address)
+        held = self._held.get(address)
+        if capacity is None or held is None:
+            return 0
+        prompt = set(hashes)
+        excess = len(held) + len(prompt - held.keys()) - capacity
+        evicted = lost = 0
+        for block, reused in held.items():
+            if evicted >= excess:
+                break
+            if block not in prompt:
+                evicted += 1
+                lost += reused
+        return lost * self.config.prefix_block_size
+
+    def _trim(self, address: str) -> None:
+        """Evicts ``address``'s least recently routed blocks beyond its cache's capacity."""
+        capacity = self._capacity.get(address)
+        held = self._held.get(address)
+        if capacity is None or held is None:
+            return
+        while len(held) > capacity:
+            block, _ = held.popitem(last=False)
+            self._drop(block, address)
+
+    def _drop(self, block: int, address: str) -> None:
+        holders = self._index.get(block)
+        if holders is not None:
+            holders.discard(address)
+            if not holders:
+                del self._index[block]

@@ -458,6 +458,8 @@ class RequestFlow:
             call = prefill.stub.Prefill(request, timeout=timeout)
             try:
                 response = await _guarded(prefill.health, call, call, f"prefill {prefill.address}")
+                if self._prefill_router is not None:
+                    self._prefill_router.learn_capacity(prefill.address, response.prefix_cache_tokens)
                 return prefill, response, sent_at
             except grpc.aio.AioRpcError as exc:
                 prefill.health.call_failed(exc.code(), exc.details() or "")

@@ -276,7 +276,9 @@ class PrefillServicer(KvHandoffServicer):
         self._metrics.forward_seconds.observe(result.forward_seconds)
         self._metrics.queue_seconds.observe(result.queue_seconds)
         self._metrics.batch_size.observe(result.batch_size)
-        if self._engine.prefix_cache is not None:
+        cache = self._engine.prefix_cache
+        capacity = cache.capacity_tokens if cache is not None else 0
+        if cache is not None:
             self._metrics.prefix_cache_queries.inc(len(request.prompt_token_ids))
             self._metrics.prefix_cache_hits.inc(result.cached_tokens)
             self._metrics.cached_tokens.observe(result.cached_tokens)
@@ -285,6 +287,7 @@ class PrefillServicer(KvHandoffServicer):
                 result, self._registry, self._issuer, self._metrics, self._block_size()
             )
             response.cached_tokens = result.cached_tokens
+            response.prefix_cache_tokens = capacity
             return response
         if result.finish_reason is not None or result.kv is None:
             self._metrics.finished_at_first_token.labels(result.finish_reason or "").inc()
@@ -294,6 +297,7 @@ class PrefillServicer(KvHandoffServicer):
                     finish_reason=result.finish_reason or "",
                     queue_seconds=result.queue_seconds,
                     cached_tokens=result.cached_tokens,
+                    prefix_cache_tokens=capacity,
                 ),
                 result,
             )
@@ -306,6 +310,7 @@ class PrefillServicer(KvHandoffServicer):
                 kv_handle=self._issuer.issue(entry, self._block_size(), result.block_ids),
                 queue_seconds=result.queue_seconds,
                 cached_tokens=result.cached_tokens,
+                prefix_cache_tokens=capacity,
             ),
             result,
         )

@@ -170,3 +170,53 @@ def test_gateway_flags_choose_the_routing() -> None:
     ):
         with pytest.raises(ValueError):
             parse_gateway(*bad)
+
+
+def test_a_replica_holds_no_more_blocks_than_its_cache() -> None:
+    """Once a replica's capacity is known, its least recently routed blocks leave its part of the
+    index as new ones come: an evicted prefix no longer counts as held there."""
+    r = router()
+    a = Replica("a")
+    p1, p2, p3 = (tokens(seed, 4 * BLOCK) for seed in (1, 2, 3))
+    for prompt in (p1, p2, p3):
+        r.choose(prompt, [a])
+    assert [r.matched_blocks(p, "a") for p in (p1, p2, p3)] == [4, 4, 4]  # capacity not known yet
+    r.learn_capacity("a", 8 * BLOCK + 5)  # 8 whole blocks
+    assert [r.matched_blocks(p, "a") for p in (p1, p2, p3)] == [0, 4, 4]
+    r.choose(p2, [a])  # p2 used again: p3 is now the least recently routed
+    r.choose(p1, [a])
+    assert [r.matched_blocks(p, "a") for p in (p1, p2, p3)] == [4, 4, 0]
+    assert r.num_blocks == 8
+    r.learn_capacity("a", 0)  # no cache at all
+    assert r.num_blocks == 0 and r.choose(p1, [a])[1].matched_blocks == 0
+    r.learn_capacity("a", 8 * BLOCK)
+    r.forget("a")
+    assert r.num_blocks == 0
+
+
+def test_a_prompt_goes_where_its_blocks_evict_no_prefix_in_use() -> None:
+    """Equal load and no match anywhere: the replica whose cache would lose blocks that prompts were
+    routed over again (a prefix in use) is passed over for one that would lose one-off blocks only;
+    a replica with room loses nothing."""
+    r = router(prefix_balance_threshold=100)
+    a, b = Replica("a"), Replica("b")
+    for replica in (a, b):
+        r.learn_capacity(replica.address, 8 * BLOCK)
+    in_use = [tokens(seed, 4 * BLOCK) for seed in (1, 2)]
+    for prefix in in_use * 2:
+        r.choose(prefix, [a])
+    for seed in (3, 4):
+        r.choose(tokens(seed, 4 * BLOCK), [b])
+    for seed in (5, 6, 7):
+        chosen, routed = r.choose(tokens(seed, 4 * BLOCK), [a, b])
+        assert chosen is b and routed.outcome == "least-load"
+    assert [r.matched_blocks(p, "a") for p in in_use] == [4, 4]
+    # Work still counts first: with more queued on b than the prefix a would lose, a takes it.
+    b.pending_tokens = 5 * BLOCK
+    chosen, _ = r.choose(tokens(8, 4 * BLOCK), [a, b])
+    assert chosen is a
+    # Room left: nothing is evicted, the least loaded replica as before.
+    c = Replica("c")
+    r.learn_capacity("c", 64 * BLOCK)
+    chosen, _ = r.choose(tokens(9, 4 * BLOCK), [a, b, c])
+    assert chosen is c

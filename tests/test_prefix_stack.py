@@ -135,6 +135,7 @@ def test_a_handle_rewritten_to_name_blocks_of_another_prompt_shares_nothing(
     before = decode_metrics(stack)
     for guess in ("before", "first", "after"):
         response = asyncio.run(prefill_directly(stack, mine))
+        assert response.prefix_cache_tokens == CAPACITY  # what a gateway's prefix router learns
         handle = kv_pb2.KvHandle()
         handle.CopyFrom(response.kv_handle)
         own = list(handle.block_ids)

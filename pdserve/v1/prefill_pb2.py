@@ -26,7 +26,7 @@ from pdserve.v1 import kv_pb2 as pdserve_dot_v1_dot_kv__pb2
 from pdserve.v1 import sampling_pb2 as pdserve_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x13pdserve/v1/kv.proto\x1a\x19pdserve/v1/sampling.proto\"\x83\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rnum_generated\x18\x04 \x01(\r\"\xb0\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\tkv_handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x15\n\rcached_tokens\x18P \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18( \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18) \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12*\n\x07\x63hoices\x18< \x03(\x0b\x32\x19.pdserve.v1.PrefillChoice\"\xa0\x01\n\rPrefillChoice\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\tkv_handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x37\n\x14\x66irst_token_logprobs\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\x7f\n\rPullKvRequest\x12\x11\n\thandle_id\x18\x01 \x01(\x0c\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x17\n\x0fpair_generation\x18\x03 \x01(\x04\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x13\n\x0bpair_secret\x18\x05 \x01(\x0c\"#\n\x0ePullKvResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\"\x84\x01\n\x11PullKvManyRequest\x12\x12\n\nhandle_ids\x18\x01 \x03(\x0c\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x17\n\x0fpair_generation\x18\x03 \x01(\x04\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x13\n\x0bpair_secret\x18\x05 \x01(\x0c\"I\n\x12PullKvManyResponse\x12\x11\n\tnum_bytes\x18\x01 \x03(\x04\x12 \n\x04lent\x18\x02 \x03(\x0b\x32\x12.pdserve.v1.LentKv\"V\n\x10ReleaseKvRequest\x12\x11\n\thandle_id\x18\x01 \x01(\x0c\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x13\n\x0bpair_secret\x18\x03 \x01(\x0c\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xba\x01\n\x10PairStoreRequest\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x01 \x01(\t\x12\x13\n\x0bpair_secret\x18\x02 \x01(\x0c\x12\x17\n\x0fpair_generation\x18\x03 \x01(\x04\x12\n\n\x02op\x18\x04 \x01(\t\x12\x0c\n\x04keys\x18\x05 \x03(\t\x12\r\n\x05value\x18\x06 \x01(\x0c\x12\x10\n\x08\x65xpected\x18\x07 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x08 \x01(\x03\x12\x11\n\ttimeout_s\x18\t \x01(\x01\"A\n\x11PairStoreResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\x12\x0e\n\x06number\x18\x02 \x01(\x03\x12\r\n\x05ready\x18\x03 \x01(\x08\x32\xef\x02\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12K\n\nPullKvMany\x12\x1d.pdserve.v1.PullKvManyRequest\x1a\x1e.pdserve.v1.PullKvManyResponse\x12?\n\x06PullKv\x12\x19.pdserve.v1.PullKvRequest\x1a\x1a.pdserve.v1.PullKvResponse\x12H\n\tReleaseKv\x12\x1c.pdserve.v1.ReleaseKvRequest\x1a\x1d.pdserve.v1.ReleaseKvResponse\x12H\n\tPairStore\x12\x1c.pdserve.v1.PairStoreRequest\x1a\x1d.pdserve.v1.PairStoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x13pdserve/v1/kv.proto\x1a\x19pdserve/v1/sampling.proto\"\x83\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rnum_generated\x18\x04 \x01(\r\"\xcd\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\tkv_handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x15\n\rcached_tokens\x18P \x01(\r\x12\x1b\n\x13prefix_cache_tokens\x18Q \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18( \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18) \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12*\n\x07\x63hoices\x18< \x03(\x0b\x32\x19.pdserve.v1.PrefillChoice\"\xa0\x01\n\rPrefillChoice\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\tkv_handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KvHandle\x12\x37\n\x14\x66irst_token_logprobs\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\x7f\n\rPullKvRequest\x12\x11\n\thandle_id\x18\x01 \x01(\x0c\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x17\n\x0fpair_generation\x18\x03 \x01(\x04\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x13\n\x0bpair_secret\x18\x05 \x01(\x0c\"#\n\x0ePullKvResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\"\x84\x01\n\x11PullKvManyRequest\x12\x12\n\nhandle_ids\x18\x01 \x03(\x0c\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x17\n\x0fpair_generation\x18\x03 \x01(\x04\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x13\n\x0bpair_secret\x18\x05 \x01(\x0c\"I\n\x12PullKvManyResponse\x12\x11\n\tnum_bytes\x18\x01 \x03(\x04\x12 \n\x04lent\x18\x02 \x03(\x0b\x32\x12.pdserve.v1.LentKv\"V\n\x10ReleaseKvRequest\x12\x11\n\thandle_id\x18\x01 \x01(\x0c\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x13\n\x0bpair_secret\x18\x03 \x01(\x0c\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xba\x01\n\x10PairStoreRequest\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x01 \x01(\t\x12\x13\n\x0bpair_secret\x18\x02 \x01(\x0c\x12\x17\n\x0fpair_generation\x18\x03 \x01(\x04\x12\n\n\x02op\x18\x04 \x01(\t\x12\x0c\n\x04keys\x18\x05 \x03(\t\x12\r\n\x05value\x18\x06 \x01(\x0c\x12\x10\n\x08\x65xpected\x18\x07 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x08 \x01(\x03\x12\x11\n\ttimeout_s\x18\t \x01(\x01\"A\n\x11PairStoreResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\x12\x0e\n\x06number\x18\x02 \x01(\x03\x12\r\n\x05ready\x18\x03 \x01(\x08\x32\xef\x02\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12K\n\nPullKvMany\x12\x1d.pdserve.v1.PullKvManyRequest\x1a\x1e.pdserve.v1.PullKvManyResponse\x12?\n\x06PullKv\x12\x19.pdserve.v1.PullKvRequest\x1a\x1a.pdserve.v1.PullKvResponse\x12H\n\tReleaseKv\x12\x1c.pdserve.v1.ReleaseKvRequest\x1a\x1d.pdserve.v1.ReleaseKvResponse\x12H\n\tPairStore\x12\x1c.pdserve.v1.PairStoreRequest\x1a\x1d.pdserve.v1.PairStoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,25 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=89
   _globals['_PREFILLREQUEST']._serialized_end=220
   _globals['_PREFILLRESPONSE']._serialized_start=223
-  _globals['_PREFILLRESPONSE']._serialized_end=527
-  _globals['_PREFILLCHOICE']._serialized_start=530
-  _globals['_PREFILLCHOICE']._serialized_end=690
-  _globals['_PULLKVREQUEST']._serialized_start=692
-  _globals['_PULLKVREQUEST']._serialized_end=819
-  _globals['_PULLKVRESPONSE']._serialized_start=821
-  _globals['_PULLKVRESPONSE']._serialized_end=856
-  _globals['_PULLKVMANYREQUEST']._serialized_start=859
-  _globals['_PULLKVMANYREQUEST']._serialized_end=991
-  _globals['_PULLKVMANYRESPONSE']._serialized_start=993
-  _globals['_PULLKVMANYRESPONSE']._serialized_end=1066
-  _globals['_RELEASEKVREQUEST']._serialized_start=1068
-  _globals['_RELEASEKVREQUEST']._serialized_end=1154
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1156
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1193
-  _globals['_PAIRSTOREREQUEST']._serialized_start=1196
-  _globals['_PAIRSTOREREQUEST']._serialized_end=1382
-  _globals['_PAIRSTORERESPONSE']._serialized_start=1384
-  _globals['_PAIRSTORERESPONSE']._serialized_end=1449
-  _globals['_PREFILL']._serialized_start=1452
-  _globals['_PREFILL']._serialized_end=1819
+  _globals['_PREFILLRESPONSE']._serialized_end=556
+  _globals['_PREFILLCHOICE']._serialized_start=559
+  _globals['_PREFILLCHOICE']._serialized_end=719
+  _globals['_PULLKVREQUEST']._serialized_start=721
+  _globals['_PULLKVREQUEST']._serialized_end=848
+  _globals['_PULLKVRESPONSE']._serialized_start=850
+  _globals['_PULLKVRESPONSE']._serialized_end=885
+  _globals['_PULLKVMANYREQUEST']._serialized_start=888
+  _globals['_PULLKVMANYREQUEST']._serialized_end=1020
+  _globals['_PULLKVMANYRESPONSE']._serialized_start=1022
+  _globals['_PULLKVMANYRESPONSE']._serialized_end=1095
+  _globals['_RELEASEKVREQUEST']._serialized_start=1097
+  _globals['_RELEASEKVREQUEST']._serialized_end=1183
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1185
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1222
+  _globals['_PAIRSTOREREQUEST']._serialized_start=1225
+  _globals['_PAIRSTOREREQUEST']._serialized_end=1411
+  _globals['_PAIRSTORERESPONSE']._serialized_start=1413
+  _globals['_PAIRSTORERESPONSE']._serialized_end=1478
+  _globals['_PREFILL']._serialized_start=1481
+  _globals['_PREFILL']._serialized_end=1848
 # @@protoc_insertion_point(module_scope)

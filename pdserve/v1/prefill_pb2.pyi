@@ -21,12 +21,13 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "finish_reason", "kv_handle", "queue_seconds", "cached_tokens", "first_token_logprobs", "prompt_logprobs", "choices")
+    __slots__ = ("first_token_id", "finish_reason", "kv_handle", "queue_seconds", "cached_tokens", "prefix_cache_tokens", "first_token_logprobs", "prompt_logprobs", "choices")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
@@ -35,10 +36,11 @@ class PrefillResponse(_message.Message):
     kv_handle: _kv_pb2.KvHandle
     queue_seconds: float
     cached_tokens: int
+    prefix_cache_tokens: int
     first_token_logprobs: _sampling_pb2.TokenLogprobs
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_sampling_pb2.TokenLogprobs]
     choices: _containers.RepeatedCompositeFieldContainer[PrefillChoice]
-    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., kv_handle: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[_sampling_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_sampling_pb2.TokenLogprobs, _Mapping]]] = ..., choices: _Optional[_Iterable[_Union[PrefillChoice, _Mapping]]] = ...) -> None: ...
+    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., kv_handle: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., prefix_cache_tokens: _Optional[int] = ..., first_token_logprobs: _Optional[_Union[_sampling_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_sampling_pb2.TokenLogprobs, _Mapping]]] = ..., choices: _Optional[_Iterable[_Union[PrefillChoice, _Mapping]]] = ...) -> None: ...
 
 class PrefillChoice(_message.Message):
     __slots__ = ("first_token_id", "finish_reason", "kv_handle", "first_token_logprobs")
