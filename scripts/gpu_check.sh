@@ -28,25 +28,35 @@
 #
 # Only the test files holding GPU tests are collected (the others need development tools a GPU
 # machine may lack). Each service's log of the run is kept in the results as service-logs.tgz.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-started=$(date +%s)
-results="${OUT:-.}/gpu-check"
-mkdir -p "$results"
-
 sees_gpu() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
+
+purelib() { "$1" -c "import sysconfig; print(sysconfig.get_path('purelib'))"; }
+
+venv_over() {  # $1: a python whose packages (its torch) the venv $2 sees beneath its own
+    "$1" -m venv --system-site-packages "$2" || return 1
+    # That python may itself be a venv (GPU images ship one), whose packages a venv made from it
+    # does not see: its site directories go on the new venv's path, after the venv's own.
+    "$1" -c "import site; print('\n'.join(site.getsitepackages()))" > "$(purelib "$2/bin/python")/machine-python.pth"
+}
 
 install_project() {  # $1: python of a venv whose torch is to be kept
     if [ -d .whl ]; then
         "$1" -m pip install --quiet --no-index --no-deps --no-compile .whl/*.whl || return 1
-        "$1" -c "import sysconfig; print(sysconfig.get_path('purelib'))" \
-            | { read -r site && echo "$PWD" > "$site/pdserve-checkout.pth"; }
+        echo "$PWD" > "$(purelib "$1")/pdserve-checkout.pth"
         return
     fi
     local torch_now
     torch_now=$("$1" -c "import torch; print(torch.__version__.split('+')[0])")
     "$1" -m pip install --quiet -e ".[dev]" "torch==${torch_now}" || "$1" -m pip install --quiet --no-deps -e .
 }
+
+[[ "${BASH_SOURCE[0]}" == "$0" ]] || return 0  # sourced (the tests): the functions only
+
+set -uo pipefail
+cd "$(dirname "$0")/.."
+started=$(date +%s)
+results="${OUT:-.}/gpu-check"
+mkdir -p "$results"
 
 PY=""
 if [ -x .venv/bin/python ] && sees_gpu .venv/bin/python; then
@@ -56,7 +66,7 @@ elif [ -x .venv-gpu/bin/python ] && sees_gpu .venv-gpu/bin/python; then
 else
     rm -rf .venv-gpu
     if command -v python3 >/dev/null && sees_gpu python3; then
-        python3 -m venv --system-site-packages .venv-gpu
+        venv_over python3 .venv-gpu
     else
         python3 -m venv .venv-gpu
         .venv-gpu/bin/python -m pip install --quiet "torch>=2.6,<3" --index-url https://download.pytorch.org/whl/cu130 \

@@ -145,3 +145,26 @@ def test_the_wheels_for_an_offline_gpu_machine_are_the_project_closure_without_t
     assert pins["grpcio"] == importlib.metadata.version("grpcio")
     text = SCRIPT.read_text()
     assert "--no-index --no-deps" in text and ".whl/*.whl" in text
+
+
+def test_its_venv_sees_the_packages_of_a_python_that_is_itself_a_venv(tmp_path: Path) -> None:
+    """GPU images ship their torch in a venv of their own; the check's venv on top of that python
+    must see it. This test's python is a venv too."""
+    venv = tmp_path / "venv-gpu"
+    done = subprocess.run(
+        ["bash", "-c", 'source "$1" && venv_over "$2" "$3"', "bash", str(SCRIPT), sys.executable, str(venv)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = subprocess.run(
+        [str(venv / "bin/python"), "-c", "import sys, torch, grpc; print(sys.prefix)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert seen.returncode == 0, seen.stderr[-2000:]
+    assert seen.stdout.strip() == str(venv)
