@@ -220,3 +220,16 @@ def test_a_prompt_goes_where_its_blocks_evict_no_prefix_in_use() -> None:
     r.learn_capacity("c", 64 * BLOCK)
     chosen, _ = r.choose(tokens(9, 4 * BLOCK), [a, b, c])
     assert chosen is c
+
+
+def test_a_capacity_beyond_the_index_leaves_the_index_bounded() -> None:
+    """A prefill announcing the largest capacity its answer can carry: the index stays within
+    ``--prefix-index-blocks``, and the replica's own blocks with it."""
+    r = router(prefix_index_blocks=10)
+    a = Replica("a")
+    r.learn_capacity("a", (1 << 32) - 1)
+    for seed in range(8):
+        r.choose(tokens(seed, 4 * BLOCK), [a])
+        assert r.num_blocks <= 10
+    assert r.matched_blocks(tokens(7, 4 * BLOCK), "a") == 4
+    assert r.matched_blocks(tokens(0, 4 * BLOCK), "a") == 0
