@@ -112,8 +112,10 @@ class PrefixRouter:
         def new_tokens(c: Replica) -> int:
             return len(token_ids) - matches.get(c.address, 0) * self.config.prefix_block_size
 
+        prompt = set(hashes)
+
         def cost(c: Replica) -> int:
-            return new_tokens(c) + c.pending_tokens + self._reused_tokens_evicted(hashes, c.address)
+            return new_tokens(c) + c.pending_tokens + self._reused_tokens_evicted(prompt, c.address)
 
         least = min(candidates, key=lambda c: (c.outstanding, c.pending_tokens))
         chosen = min(candidates, key=lambda c: (cost(c), c.outstanding))
@@ -165,15 +167,14 @@ class PrefixRouter:
             for holder in holders:
                 self._held[holder].pop(block, None)
 
-    def _reused_tokens_evicted(self, hashes: Sequence[int], address: str) -> int:
-        """Tokens of reused blocks that the blocks of this prompt new to ``address`` would push out
-        of its cache (its least recently routed blocks first): the work it would later redo for
-        prompts still sharing them."""
+    def _reused_tokens_evicted(self, prompt: set[int], address: str) -> int:
+        """Tokens of reused blocks that the blocks of ``prompt`` (its block hashes) new to ``address``
+        would push out of its cache (its least recently routed blocks first): the work it would later
+        redo for prompts still sharing them."""
         capacity = self._capacity.get(address)
         held = self._held.get(address)
         if capacity is None or held is None:
             return 0
-        prompt = set(hashes)
         excess = len(held) + len(prompt - held.keys()) - capacity
         evicted = lost = 0
         for block, reused in held.items():

@@ -52,7 +52,8 @@ def requirements(name: str) -> list[str]:
 def closure(roots: list[str], skip: tuple[str, ...] = ()) -> set[str]:
     """``roots`` and everything they require, as installed here, never entering ``skip`` (names
     not installed are left out)."""
-    seen: set[str] = {canonicalize_name(s) for s in skip}
+    skipped = {canonicalize_name(s) for s in skip}
+    seen = set(skipped)
     todo = [canonicalize_name(r) for r in roots]
     while todo:
         name = todo.pop()
@@ -64,7 +65,7 @@ def closure(roots: list[str], skip: tuple[str, ...] = ()) -> set[str]:
             continue
         seen.add(name)
         todo.extend(requirements(name))
-    return seen - {canonicalize_name(s) for s in skip}
+    return seen - skipped
 
 
 def project_roots() -> list[str]:
