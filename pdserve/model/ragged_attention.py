@@ -28,6 +28,8 @@ from typing import Any, Protocol
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from pdserve.model.decode_attention import attend_one_query
+
 # A split must read at most this share of the positions the padded attention reads...
 MAX_SHARE = 0.7
 # ... and save at least this many row-positions (below, the second call costs more than it saves).
@@ -90,12 +92,25 @@ def ragged_attention(
     ``[short rows, kv heads, length, width]``, the others over ``ragged``'s long rows. Returns ``[rows,
     1, heads, width]`` as transformers' attention functions do."""
     short_query = query.index_select(0, ragged.short_rows)
-    short_out, _ = sdpa_attention_forward(module, short_query, key, value, ragged.short_mask, **kwargs)
+    short_out = _attend(module, short_query, key, value, ragged.short_mask, **kwargs)
     long = ragged.layers[int(getattr(module, "layer_idx", 0))]
     if long.long_keys is None or long.long_values is None:
         raise RuntimeError("the layer's cache update gave no long rows")
     long_query = query.index_select(0, ragged.long_rows)
-    long_out, _ = sdpa_attention_forward(
-        module, long_query, long.long_keys, long.long_values, ragged.long_mask, **kwargs
-    )
+    long_out = _attend(module, long_query, long.long_keys, long.long_values, ragged.long_mask, **kwargs)
     return torch.cat([short_out, long_out]), None
+
+
+def _attend(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``[rows, 1, heads, width]``: the CPU decode attention where it applies, else sdpa."""
+    out = attend_one_query(query, key, value, mask, kwargs.get("scaling"))
+    if out is None:
+        out, _ = sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+    return out

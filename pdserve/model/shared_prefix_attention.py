@@ -10,9 +10,10 @@ Hydragen). The result is the attention over the whole context to float rounding.
 
 The function is registered with transformers' attention interface under ``IMPLEMENTATION`` (with
 the sdpa mask builder); a model switched to it (``use_shared_prefix_attention``) runs plain sdpa
-unless a forward passes ``shared_prefix=SharedPrefix(...)``, whose tensors its cache layers then
-leave out of the keys and values they return (the rows' own parts), or a decode step passes
-``ragged=RaggedRows(...)``: rows of very different lengths, split (``ragged_attention``).
+(one query per row on a CPU: ``decode_attention``) unless a forward passes
+``shared_prefix=SharedPrefix(...)``, whose tensors its cache layers then leave out of the keys and
+values they return (the rows' own parts), or a decode step passes ``ragged=RaggedRows(...)``: rows
+of very different lengths, split (``ragged_attention``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from pdserve.model.compiled_forward import static_dims
+from pdserve.model.decode_attention import attend_one_query
 from pdserve.model.ragged_attention import RaggedRows, ragged_attention
 
 logger = logging.getLogger(__name__)
@@ -115,6 +117,9 @@ def shared_prefix_attention(
     if shared_prefix is None and ragged is not None:
         return ragged_attention(module, query, key, value, ragged, dropout=dropout, scaling=scaling, **kwargs)
     if shared_prefix is None:
+        one_query = attend_one_query(query, key, value, attention_mask, scaling)
+        if one_query is not None:
+            return one_query, None
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
