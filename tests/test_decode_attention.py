@@ -34,6 +34,29 @@ def reference(
     return out.transpose(1, 2).float()
 
 
+def reference_lse(
+    query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """The log-sum-exp of each query's scaled, masked scores, float64: ``[rows, heads]``."""
+    group = query.shape[1] // key.shape[1]
+    scores = query.double() @ key.double().repeat_interleave(group, 1).transpose(-1, -2) * scale
+    if mask is not None:
+        scores = scores + mask.double()
+    return torch.logsumexp(scores, -1)[..., 0].float()
+
+
+def attended(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
+    got = attend_one_query(query, key, value, mask, scale)
+    assert got is not None
+    return got[0]
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.integers(1, 5),
@@ -75,14 +98,22 @@ def test_it_equals_sdpa_over_a_batch_context_view(
     scale = 0.3
     got = attend_one_query(query, key, value, mask, scale)
     assert got is not None
-    want = reference(query, key, value, None if mask is None else mask[..., :positions], scale)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    used = None if mask is None else mask[..., :positions]
+    torch.testing.assert_close(got[0], reference(query, key, value, used, scale), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], reference_lse(query, key, used, scale), rtol=1e-5, atol=1e-5)
+
+
+def test_one_mask_row_serves_every_row(kernel: None) -> None:
+    query, key, value = torch.randn(3, 2, 1, 8), torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8)
+    mask = torch.zeros(1, 1, 1, 6)
+    mask[..., 4:] = torch.finfo(torch.float32).min
+    got = attended(query, key, value, mask, 0.5)
+    torch.testing.assert_close(got, reference(query, key, value, mask, 0.5), rtol=1e-5, atol=1e-5)
 
 
 def test_the_default_scale_is_one_over_the_root_of_the_width(kernel: None) -> None:
     query, key, value = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
-    got = attend_one_query(query, key, value, None, None)
-    assert got is not None
+    got = attended(query, key, value, None, None)
     torch.testing.assert_close(got, reference(query, key, value, None, 0.25), rtol=1e-5, atol=1e-5)
 
 
@@ -110,6 +141,8 @@ def test_it_leaves_other_forwards_to_sdpa(kernel: None, case: str) -> None:
         mask = torch.zeros(2, 1, 1, 5)
     elif case == "mask per query head":
         mask = torch.zeros(2, 4, 1, 6)
+    elif case == "mask of other rows":
+        mask = torch.zeros(3, 1, 1, 6)
     else:
         key = torch.randn(2, 2, 6, 16)[..., ::2]
     assert attend_one_query(query, key, value, mask, None) is None
@@ -121,9 +154,7 @@ def test_compiled_code_calls_it_without_a_graph_break(kernel: None) -> None:
     mask[0, ..., 4:] = torch.finfo(torch.float32).min
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        out = attend_one_query(q, k, v, m, 0.25)
-        assert out is not None
-        return out * 2
+        return attended(q, k, v, m, 0.25) * 2
 
     compiled = torch.compile(attend, fullgraph=True, backend="eager")
     torch.testing.assert_close(

@@ -22,6 +22,7 @@ from decode_service.sequence import DecodeSequence, Emission
 from decode_service.step_cache import MIN_SHARED_TOKENS, BatchContext
 from pdserve.core.sampling import SamplingParams
 from pdserve.kv.layout import KvLayout
+from pdserve.model import decode_attention
 from pdserve.model.shared_prefix_attention import attend, use_shared_prefix_attention
 from tests.decode_batch import decode_as_one_batch
 from tests.devices import ON_CPU_AND_CUDA
@@ -31,9 +32,21 @@ from tests.test_equivalence import reference_tokens
 
 @pytest.mark.parametrize(("groups", "queries", "own"), [(1, 1, 33), (2, 1, 5), (1, 7, 7), (3, 4, 9)])
 @pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["decode-kernel", "sdpa"])
 def test_attention_over_a_shared_prefix_equals_sdpa_over_the_whole_context(
-    groups: int, queries: int, own: int, kind: str
+    groups: int,
+    queries: int,
+    own: int,
+    kind: str,
+    cpu_kernel: bool,
+    cache_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """One query per row takes the CPU decode attention for the rows' own positions, or sdpa."""
+    if cpu_kernel:
+        assert decode_attention.load(cache_dir)
+    else:
+        monkeypatch.setattr(decode_attention._Kernel, "loaded", False)
     generator = torch.Generator().manual_seed(groups * 100 + queries * 10 + own)
     rows, kv_heads, prefix, width = 5, 2, 40, 16
     heads = kv_heads * groups

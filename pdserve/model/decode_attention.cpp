@@ -9,6 +9,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -25,7 +26,7 @@ inline void add_scaled(float* out, const float* x, float scale, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] += scale * x[i];
 }
 
-at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const std::optional<at::Tensor>& mask, double scale) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4,
               "decode_attention: query, key and value must be [rows, heads, positions, width]");
@@ -53,10 +54,12 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
   }
   const at::Tensor q = query.contiguous();
   at::Tensor out = at::empty({rows, 1, heads, value_width}, query.options());
+  at::Tensor lse = at::empty({rows, heads}, query.options());
   const float* q_data = q.const_data_ptr<float>();
   const float* k_data = key.const_data_ptr<float>();
   const float* v_data = value.const_data_ptr<float>();
   float* out_data = out.mutable_data_ptr<float>();
+  float* lse_data = lse.mutable_data_ptr<float>();
   const int64_t group = heads / kv_heads;
   const int64_t ks0 = key.stride(0), ks1 = key.stride(1), ks2 = key.stride(2);
   const int64_t vs0 = value.stride(0), vs1 = value.stride(1), vs2 = value.stride(2);
@@ -86,12 +89,18 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
         float* sh = scores.data() + h * positions;
         const float m = maxima[h];
         float sum = 0.f;
-        for (int64_t p = 0; p < positions; ++p) {
-          const float e = m == minus_inf ? 0.f : std::exp(sh[p] - m);
-          sh[p] = e;
-          sum += e;
+        if (m != minus_inf) {
+#pragma omp simd reduction(+ : sum)
+          for (int64_t p = 0; p < positions; ++p) {
+            const float e = std::exp(sh[p] - m);
+            sh[p] = e;
+            sum += e;
+          }
+        } else {
+          std::fill(sh, sh + positions, 0.f);
         }
         sums[h] = sum;
+        lse_data[row * heads + h] = m == minus_inf ? minus_inf : m + std::log(sum);
       }
       float* orow = out_data + row * heads * value_width;
       std::fill(orow, orow + heads * value_width, 0.f);
@@ -112,7 +121,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
       }
     }
   });
-  return out;
+  return {out, lse};
 }
 
 }  // namespace

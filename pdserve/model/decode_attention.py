@@ -18,7 +18,9 @@ rounding (the sums run in another order). Grouped-query heads share their key an
 The operator is C++ built with the machine's compiler when the engine loads its model (``load``;
 a few seconds, then cached under the cache directory by a key of its source, torch and the CPU),
 and a forward takes it where it applies (``attend_one_query``: a CPU, float32, one query per row,
-no mask or an additive one); elsewhere (no compiler, CUDA, prefill forwards) sdpa runs as before.
+no mask or an additive one): plain and ragged decode steps, and the rows' own positions after a
+shared prefix (``shared_prefix_attention``, which joins them to the prefix's part by each query's
+log-sum-exp, returned too); elsewhere (no compiler, CUDA, prefill forwards) sdpa runs as before.
 Compiled forwards call it as they call any operator (its shape function is registered here).
 """
 
@@ -42,19 +44,20 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 OPERATOR = "pdserve::decode_attention"
 CACHE_SUBDIR = "kernels"
 COMPILER_ENV = "CXX"  # the C++ compiler to build with (default: c++, as torch's builds)
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++20", "-shared", "-fPIC", "-w")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC", "-w")
 
 _LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
 _LIBRARY.define(
-    "decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor"
+    "decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> (Tensor, Tensor)"
 )
 
 
 @torch.library.register_fake(OPERATOR, lib=_LIBRARY)
 def _shape(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    return query.new_empty((query.shape[0], 1, query.shape[1], value.shape[3]))
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, heads = query.shape[0], query.shape[1]
+    return query.new_empty((rows, 1, heads, value.shape[3])), query.new_empty((rows, heads))
 
 
 class _Kernel:
@@ -89,11 +92,12 @@ def attend_one_query(
     value: torch.Tensor,
     mask: torch.Tensor | None,
     scaling: float | None,
-) -> torch.Tensor | None:
-    """The attention of one query per row, ``[rows, 1, heads, value width]``, where the operator
-    applies: ``query`` ``[rows, heads, 1, width]`` and ``key``/``value`` ``[rows, kv heads, positions,
-    width]`` float32 on a CPU, ``mask`` None or additive float32 ``[rows, 1, 1, >= positions]`` (its
-    first ``positions``). None where it does not (the caller runs sdpa)."""
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The attention of one query per row, ``[rows, 1, heads, value width]``, and the log-sum-exp of
+    each query's scaled scores ``[rows, heads]``, where the operator applies: ``query`` ``[rows,
+    heads, 1, width]`` and ``key``/``value`` ``[rows, kv heads, positions, width]`` float32 on a CPU,
+    ``mask`` None or additive float32 ``[rows or 1, 1, 1, >= positions]`` (its first ``positions``).
+    None where it does not (the caller runs sdpa)."""
     if query.device.type != "cpu" or query.dim() != 4 or query.shape[2] != 1 or not is_loaded():
         return None
     if (
@@ -106,12 +110,12 @@ def attend_one_query(
     if mask is not None:
         if mask.dtype != torch.float32 or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
             return None
-        if mask.shape[3] < positions:
+        if mask.shape[3] < positions or mask.shape[0] not in (1, query.shape[0]):
             return None
-        mask = mask[..., :positions]
+        mask = mask[..., :positions].expand(query.shape[0], 1, 1, positions)
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
-    out: torch.Tensor = torch.ops.pdserve.decode_attention(query, key, value, mask, scale)
-    return out
+    out, lse = torch.ops.pdserve.decode_attention(query, key, value, mask, scale)
+    return out, lse
 
 
 def _build(directory: Path) -> Path:

@@ -110,7 +110,8 @@ def _attend(
     **kwargs: Any,
 ) -> torch.Tensor:
     """``[rows, 1, heads, width]``: the CPU decode attention where it applies, else sdpa."""
-    out = attend_one_query(query, key, value, mask, kwargs.get("scaling"))
-    if out is None:
-        out, _ = sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+    one_query = attend_one_query(query, key, value, mask, kwargs.get("scaling"))
+    if one_query is not None:
+        return one_query[0]
+    out, _ = sdpa_attention_forward(module, query, key, value, mask, **kwargs)
     return out

@@ -119,7 +119,7 @@ def shared_prefix_attention(
     if shared_prefix is None:
         one_query = attend_one_query(query, key, value, attention_mask, scaling)
         if one_query is not None:
-            return one_query, None
+            return one_query[0], None
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -158,7 +158,12 @@ def attend(
         return t.reshape(kv_heads, rows, groups * num_queries, t.shape[-1]).transpose(0, 1)
 
     own_mask = _own_mask(mask, query, rows, groups, num_queries, own)
-    own_out, own_lse = _attention(grouped, keys, values, own_mask, scale)
+    one_query = attend_one_query(query, keys, values, own_mask, scale) if num_queries == 1 else None
+    if one_query is not None:  # a decode step on a CPU
+        own_out = one_query[0].reshape(rows, kv_heads, groups, -1)
+        own_lse = one_query[1].reshape(rows, kv_heads, groups)
+    else:
+        own_out, own_lse = _attention(grouped, keys, values, own_mask, scale)
     out = merge(per_row(prefix_out), per_row(prefix_lse[..., None]), own_out, own_lse[..., None])
     return out.reshape(rows, heads, num_queries, -1).to(query.dtype)
 
