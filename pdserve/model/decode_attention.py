@@ -135,8 +135,9 @@ def _build(directory: Path) -> Path:
         "-ltorch_cpu",
         f"-Wl,-rpath,{torch_lib}",
     ]
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(command).encode(), _cpu_id()):
+    key = hashlib.sha256()  # what the library depends on: not where this checkout lies
+    options = [part for part in command if part != str(SOURCE) and not part.startswith(("-I", "-L", "-Wl"))]
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(options).encode(), _cpu_id()):
         key.update(part)
     library = directory / f"decode_attention-{key.hexdigest()[:20]}.so"
     if library.exists():
