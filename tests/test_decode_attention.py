@@ -12,11 +12,12 @@ from hypothesis import strategies as st
 
 from pdserve.model import decode_attention
 from pdserve.model.decode_attention import attend_one_query
+from tests.decode_kernel import require_decode_kernel
 
 
 @pytest.fixture(scope="module")
 def kernel(cache_dir: Path) -> None:
-    assert decode_attention.load(cache_dir)
+    require_decode_kernel(cache_dir)
 
 
 def reference(

@@ -25,6 +25,7 @@ from pdserve.kv.layout import KvLayout
 from pdserve.model import decode_attention
 from pdserve.model.shared_prefix_attention import attend, use_shared_prefix_attention
 from tests.decode_batch import decode_as_one_batch
+from tests.decode_kernel import require_decode_kernel
 from tests.devices import ON_CPU_AND_CUDA
 from tests.engine_models import eager_engine_model
 from tests.test_equivalence import reference_tokens
@@ -44,7 +45,7 @@ def test_attention_over_a_shared_prefix_equals_sdpa_over_the_whole_context(
 ) -> None:
     """One query per row takes the CPU decode attention for the rows' own positions, or sdpa."""
     if cpu_kernel:
-        assert decode_attention.load(cache_dir)
+        require_decode_kernel(cache_dir)
     else:
         monkeypatch.setattr(decode_attention._Kernel, "loaded", False)
     generator = torch.Generator().manual_seed(groups * 100 + queries * 10 + own)
