@@ -26,8 +26,9 @@ inline void add_scaled(float* out, const float* x, float scale, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] += scale * x[i];
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                            const std::optional<at::Tensor>& mask, double scale) {
+std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& query, const at::Tensor& key,
+                                                    const at::Tensor& value,
+                                                    const std::optional<at::Tensor>& mask, double scale) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4,
               "decode_attention: query, key and value must be [rows, heads, positions, width]");
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
@@ -39,8 +40,10 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& query, con
   TORCH_CHECK(key.size(0) == rows && value.size(0) == rows && value.size(1) == kv_heads &&
                   value.size(2) == positions && key.size(3) == width,
               "decode_attention: key and value do not match the query");
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "decode_attention: heads must be a multiple of kv heads");
-  TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1, "decode_attention: key and value rows must be dense");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0,
+              "decode_attention: heads must be a multiple of kv heads");
+  TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1,
+              "decode_attention: key and value rows must be dense");
   const float* mask_data = nullptr;
   int64_t mask_row = 0, mask_position = 0;
   if (mask.has_value()) {

@@ -34,9 +34,11 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils import cpp_extension
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +79,10 @@ def load(cache_dir: Path) -> bool:
         return True
     try:
         library = _build(cache_dir / CACHE_SUBDIR)
+        torch.ops.load_library(str(library))
     except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("decode attention kernel not built (%s): decode steps on a CPU run sdpa", exc)
+        logger.warning("decode attention kernel not loaded (%s): decode steps on a CPU run sdpa", exc)
         return False
-    torch.ops.load_library(str(library))
     _Kernel.loaded = torch._C._dispatch_has_kernel_for_dispatch_key(OPERATOR, "CPU")
     logger.info("decode attention kernel loaded from %s", library)
     return _Kernel.loaded
@@ -116,6 +118,23 @@ def attend_one_query(
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
     out, lse = torch.ops.pdserve.decode_attention(query, key, value, mask, scale)
     return out, lse
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' sdpa attention (``[rows, queries, heads, width]``), through the operator where
+    it applies (``attend_one_query``)."""
+    one_query = attend_one_query(query, key, value, mask, kwargs.get("scaling"))
+    if one_query is not None:
+        return one_query[0]
+    out, _ = sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+    return out
 
 
 def _build(directory: Path) -> Path:

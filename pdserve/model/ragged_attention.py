@@ -26,9 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from pdserve.model.decode_attention import attend_one_query
+from pdserve.model.decode_attention import attention_forward
 
 # A split must read at most this share of the positions the padded attention reads...
 MAX_SHARE = 0.7
@@ -88,30 +87,17 @@ def ragged_attention(
     ragged: RaggedRows,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """sdpa attention of ``query`` ``[rows, heads, 1, width]``: its first rows over ``key``/``value``
-    ``[short rows, kv heads, length, width]``, the others over ``ragged``'s long rows. Returns ``[rows,
-    1, heads, width]`` as transformers' attention functions do."""
+    """The attention (``decode_attention.attention_forward``) of ``query`` ``[rows, heads, 1,
+    width]``: its first rows over ``key``/``value`` ``[short rows, kv heads, length, width]``, the
+    others over ``ragged``'s long rows. Returns ``[rows, 1, heads, width]`` as transformers'
+    attention functions do."""
     short_query = query.index_select(0, ragged.short_rows)
-    short_out = _attend(module, short_query, key, value, ragged.short_mask, **kwargs)
+    short_out = attention_forward(module, short_query, key, value, ragged.short_mask, **kwargs)
     long = ragged.layers[int(getattr(module, "layer_idx", 0))]
     if long.long_keys is None or long.long_values is None:
         raise RuntimeError("the layer's cache update gave no long rows")
     long_query = query.index_select(0, ragged.long_rows)
-    long_out = _attend(module, long_query, long.long_keys, long.long_values, ragged.long_mask, **kwargs)
+    long_out = attention_forward(
+        module, long_query, long.long_keys, long.long_values, ragged.long_mask, **kwargs
+    )
     return torch.cat([short_out, long_out]), None
-
-
-def _attend(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor,
-    **kwargs: Any,
-) -> torch.Tensor:
-    """``[rows, 1, heads, width]``: the CPU decode attention where it applies, else sdpa."""
-    one_query = attend_one_query(query, key, value, mask, kwargs.get("scaling"))
-    if one_query is not None:
-        return one_query[0]
-    out, _ = sdpa_attention_forward(module, query, key, value, mask, **kwargs)
-    return out

@@ -24,11 +24,10 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from pdserve.model.compiled_forward import static_dims
-from pdserve.model.decode_attention import attend_one_query
+from pdserve.model.decode_attention import attend_one_query, attention_forward
 from pdserve.model.ragged_attention import RaggedRows, ragged_attention
 
 logger = logging.getLogger(__name__)
@@ -117,12 +116,10 @@ def shared_prefix_attention(
     if shared_prefix is None and ragged is not None:
         return ragged_attention(module, query, key, value, ragged, dropout=dropout, scaling=scaling, **kwargs)
     if shared_prefix is None:
-        one_query = attend_one_query(query, key, value, attention_mask, scaling)
-        if one_query is not None:
-            return one_query[0], None
-        return sdpa_attention_forward(
+        out = attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+        return out, None
     layer = int(getattr(module, "layer_idx", 0))
     output = attend(
         query, shared_prefix.keys[layer], shared_prefix.values[layer], key, value, attention_mask, scaling
