@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -16,7 +15,7 @@ def require_decode_kernel(cache_dir: Path) -> None:
     is and the build did not work."""
     if decode_attention.load(cache_dir):
         return
-    compiler = os.environ.get(decode_attention.COMPILER_ENV) or "c++"
+    compiler = decode_attention.compiler()
     if shutil.which(compiler) is None:
         pytest.skip(f"no C++ compiler ({compiler}) to build the decode attention kernel")
     pytest.fail("the decode attention kernel did not build (see the log)")

@@ -137,14 +137,19 @@ def attention_forward(
     return out
 
 
+def compiler() -> str:
+    """The C++ compiler the operator is built with: ``$CXX``, else ``c++``."""
+    return os.environ.get(COMPILER_ENV) or "c++"
+
+
 def _build(directory: Path) -> Path:
     """The operator's shared library under ``directory``, compiled there first when missing."""
-    compiler = os.environ.get(COMPILER_ENV) or "c++"
-    if shutil.which(compiler) is None:
-        raise FileNotFoundError(f"no C++ compiler {compiler!r} on PATH")
+    cxx = compiler()
+    if shutil.which(cxx) is None:
+        raise FileNotFoundError(f"no C++ compiler {cxx!r} on PATH")
     torch_lib = Path(torch.__file__).parent / "lib"
     command = [
-        compiler,
+        cxx,
         *FLAGS,
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *(f"-I{path}" for path in cpp_extension.include_paths()),
@@ -166,9 +171,7 @@ def _build(directory: Path) -> Path:
         built = Path(tmp) / library.name
         result = subprocess.run([*command, "-o", str(built)], capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
-            raise subprocess.SubprocessError(
-                f"{compiler} exited {result.returncode}: {result.stderr[-2000:]}"
-            )
+            raise subprocess.SubprocessError(f"{cxx} exited {result.returncode}: {result.stderr[-2000:]}")
         os.replace(built, library)  # atomic: processes building at once each publish a whole library
     logger.info("decode attention kernel built: %s", library)
     return library
