@@ -55,6 +55,15 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def thread_cpus(pid: int) -> set[int]:
+    """The CPUs the threads of ``pid`` may run on, all of them together (each thread's own set)."""
+    cpus: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            cpus |= os.sched_getaffinity(int(task.name))
+    return cpus
+
+
 def health(address: str) -> str:
     done = subprocess.run(
         [*PDSERVE, "health", address], capture_output=True, text=True, cwd=REPO_ROOT, timeout=30
@@ -87,12 +96,18 @@ def test_up_serves_restarts_and_stops(cache_dir: Path, tmp_path: Path) -> None:
         assert set(ready["prefill"][0]) >= {"grpc", "metrics", "pid"}
         assert "kv_rendezvous" not in ready["prefill"][0]  # pairs meet over the prefill's gRPC port
         # The plan: both engines on the CPU, KV read in place from shared memory.
+        # With a CPU each (--cpu-bind auto), the engines run on cores of their own; the gateway anywhere.
+        allowed = sorted(os.sched_getaffinity(0))
+        bound = len(allowed) >= 2
         assert ready["plan"] == {
             "devices": {"prefill-0": ["cpu"], "decode-0": ["cpu"]},
             "kv": {"prefill-0->decode-0": "shm"},
+            **({"cpus": {"prefill-0": str(allowed[0]), "decode-0": str(allowed[1])}} if bound else {}),
         }
         pids = [ready["gateway"]["pid"], ready["prefill"][0]["pid"], ready["decode"][0]["pid"]]
         assert len(set(pids)) == 3 and all(pid_alive(p) for p in pids)
+        if bound:
+            assert [sorted(thread_cpus(p)) for p in pids] == [allowed, allowed[:1], allowed[1:2]]
 
         chunks = generate_json(
             gateway, env, "--prompt-ids", "5,6,7", "--max-tokens", "6", "--temperature", "0"

@@ -22,6 +22,7 @@ from pdserve.config.checks import (
     device_at,
 )
 from pdserve.config.compile_setting import compile_setting
+from pdserve.config.cpu_list import parse_cpu_list
 from pdserve.config.ep_ports import check_ep_port_base, ep_port_range
 from pdserve.config.prefill_routing import PrefillRouting
 from pdserve.config.request_limits import RequestLimits
@@ -49,6 +50,14 @@ class EngineConfig:
         },
     )
     threads: int = field(default=1, metadata={"help": "intra-op torch threads on CPU"})
+    cpus: str = field(
+        default="",
+        metadata={
+            "help": "CPU cores every thread of the process (expert-parallel ranks included) runs on, as "
+            "Linux writes them (0, 2-3, 0-1,4); empty: wherever the OS schedules them (pdserve up "
+            "gives each engine process cores of its own, see --cpu-bind)"
+        },
+    )
     max_model_len: int = field(default=0, metadata={"help": "context limit; 0 takes the model's"})
     cache_dir: str = field(
         default="", metadata={"help": "where presets are built (default ~/.cache/pdserve)"}
@@ -121,6 +130,7 @@ class EngineConfig:
         if self.enforce_eager and self.compile == "true":
             raise ValueError("compile=true and enforce_eager contradict each other: choose one")
         check_at_least("threads", self.threads, 1)
+        parse_cpu_list(self.cpus)
         check_at_least("max_model_len", self.max_model_len, 0)
         check_at_least("ep", self.ep, 1)
         check_positive("ep_timeout_s", self.ep_timeout_s)

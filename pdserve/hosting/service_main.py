@@ -1,10 +1,11 @@
 """Runs a prefill, decode or colocated service: one process, or an expert-parallel group (``--ep``).
 
-One process: load the model, build the service's parts on one gRPC server, serve the metrics, warm
-up the compiled forwards (``--compile``; then the process compiles nothing more unless
-``--recompile-in-serving``), keep the start-up heap out of the garbage collector, start the gRPC
-server, announce the ready line -> on SIGTERM/SIGINT drain (NOT_SERVING, new work refused, work in flight and what the service still
-holds given ``--grace-s``), stop the background tasks, close the parts.
+Its threads run on ``--cpus`` first (``cpu_binding``). One process: load the model, build the
+service's parts on one gRPC server, serve the metrics, warm up the compiled forwards (``--compile``;
+then the process compiles nothing more unless ``--recompile-in-serving``), keep the start-up heap
+out of the garbage collector, start the gRPC server, announce the ready line -> on SIGTERM/SIGINT
+drain (NOT_SERVING, new work refused, work in flight and what the service still holds given
+``--grace-s``), stop the background tasks, close the parts.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import contextlib
 import logging
 from typing import Any
 
+from pdserve.config.cpu_list import parse_cpu_list
 from pdserve.core.heap import freeze_heap
+from pdserve.hosting.cpu_binding import bind_process
 from pdserve.hosting.ep_service import serve_group
 from pdserve.hosting.service_kind import ServiceKind
 from pdserve.model.engine_model import load_engine_model
@@ -24,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 async def serve_service(kind: ServiceKind, config: Any) -> None:
+    bind_process(parse_cpu_list(config.engine.cpus))
     if config.engine.ep > 1:
         await serve_group(kind, config)
         return

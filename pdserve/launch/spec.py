@@ -35,6 +35,9 @@ GATEWAY = "gateway"
 COLOCATED = "colocated"
 ROLES = (PREFILL, DECODE, GATEWAY, COLOCATED)
 MODES = ("disaggregated", "colocated")
+CPU_BIND_AUTO = "auto"  # see cpu_plan
+CPU_BIND_NONE = "none"
+CPU_BINDS = (CPU_BIND_AUTO, CPU_BIND_NONE)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,13 @@ class UpConfig:
     )
     device: str = field(default="cpu", metadata={"help": "torch device of the replicas, e.g. cpu or cuda:0"})
     threads: int = field(default=1, metadata={"help": "intra-op torch threads of each replica on CPU"})
+    cpu_bind: str = field(
+        default="auto",
+        metadata={
+            "help": "auto: on CPU, each engine process runs on cores of its own when there are enough "
+            "(see pdserve/launch/cpu_plan.py); none: wherever the OS schedules it"
+        },
+    )
     cache_dir: str = field(
         default="", metadata={"help": "where presets are built (default ~/.cache/pdserve)"}
     )
@@ -190,6 +200,7 @@ class UpConfig:
         if (self.prefill_devices or self.decode_devices) and self.device == "cpu":
             raise ValueError("prefill_devices and decode_devices name GPUs: set device to cuda")
         check_at_least("threads", self.threads, 1)
+        check_choice("cpu_bind", self.cpu_bind, CPU_BINDS)
         check_choice("mode", self.mode, MODES)
         check_at_least("prefill_replicas", self.prefill_replicas, 1)
         check_at_least("decode_replicas", self.decode_replicas, 1)
@@ -239,6 +250,7 @@ class LaunchSpec:
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()  # of each rank (engine processes; empty: the configured device)
+    cpus: str = ""  # the CPU list of an engine process (empty: not bound)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -264,6 +276,7 @@ def service_command(config: UpConfig, spec: LaunchSpec) -> list[str]:
     else:
         devices = spec.devices or (config.device,)
         command += ["--device", devices[0], "--threads", str(config.threads)]
+        command += _set_only(cpus=spec.cpus)
         command += ["--ep", str(config.decode_ep if spec.role == DECODE else config.prefill_ep)]
         if len(devices) > 1:
             command += ["--ep-devices", ",".join(devices)]

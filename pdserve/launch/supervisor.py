@@ -37,6 +37,7 @@ from pdserve.config import flags
 from pdserve.core.logs import configure_logging
 from pdserve.core.processes import with_parent_death_signal
 from pdserve.launch.child_security import child_client, child_env, gateway_client, run_token
+from pdserve.launch.cpu_plan import allowed_cpus, plan_cpus
 from pdserve.launch.demo import Demo
 from pdserve.launch.device_plan import DevicePlan, plan_devices
 from pdserve.launch.spec import (
@@ -134,6 +135,7 @@ class Supervisor:
         self.config = config
         self._gpu_count = gpu_count
         self.plan: DevicePlan | None = None
+        self.cpus: dict[str, str] = {}  # the CPU list of each bound engine process (cpu_plan)
         self._command: CommandBuilder = command_builder or functools.partial(service_command, config)
         self._health_check = health_check
         self._stdout = sys.stdout if stdout is None else stdout
@@ -213,10 +215,12 @@ class Supervisor:
             PREFILL: config.prefill_replicas,
             DECODE: config.decode_replicas,
         }
+        self.cpus = cpus = plan_cpus(config, allowed_cpus())
         backends = [
-            _Child(LaunchSpec(role, index, devices=plan.of(LaunchSpec(role, index).name)))
+            _Child(LaunchSpec(role, index, devices=plan.of(name), cpus=cpus.get(name, "")))
             for role in roles
             for index in range(counts[role])
+            for name in [LaunchSpec(role, index).name]
         ]
         self._children.extend(backends)
         for child in backends:
@@ -344,6 +348,8 @@ class Supervisor:
         line: dict[str, Any] = {"ready": True, **self.endpoints()}
         if self.plan is not None:
             line["plan"] = self.plan.describe(self.config.kv_backend)
+            if self.cpus:
+                line["plan"]["cpus"] = self.cpus
         self._stdout.write(json.dumps(line) + "\n")
         self._stdout.flush()
         gateway = self._children[-1]
