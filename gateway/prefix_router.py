@@ -175,7 +175,8 @@ class PrefixRouter:
         held = self._held.get(address)
         if capacity is None or held is None:
             return 0
-        excess = len(held) + len(prompt - held.keys()) - capacity
+        # Counted over the prompt's blocks: ``prompt - held.keys()`` would walk every held block.
+        excess = len(held) + sum(1 for block in prompt if block not in held) - capacity
         evicted = lost = 0
         for block, reused in held.items():
             if evicted >= excess:
