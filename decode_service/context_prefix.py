@@ -7,8 +7,12 @@ keys then values), to compare joining requests with, and head-major with one spa
 joining request shares the first positions whose KV equals the prefix's bit for bit in every layer
 (``measure``): its leading blocks whose pool keys (``KvPool.key_of``) equal the prefix's blocks'
 hold the same KV by construction and are not read; the positions after them are read from its pool
-blocks into a scratch buffer kept with the prefix, so that measuring allocates nothing. The buffers
-are kept when the prefix changes and only grow.
+blocks into a scratch buffer kept with the prefix, so that measuring allocates nothing: the first
+block's positions alone first (a request over another prompt differs there, and the rest is not
+read), then the rest. A full block found equal so keeps its key as an alias of the prefix's block at
+that place (a key names the same KV for good): the next request with it, from another prefill that
+computed the same prompt, say, is not read again. The buffers are kept when the prefix changes and
+only grow.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from decode_service.kv_pool import BlockKey, KvPool
 from pdserve.model.compiled_forward import static_dims
 
 ROUND = 64  # the buffers' positions are allocated in multiples of this
+MAX_ALIASES = 1 << 16  # blocks of other keys known to equal the prefix's; forgotten all at once past this
 
 
 class ContextPrefix:
@@ -31,6 +36,8 @@ class ContextPrefix:
         self._heads_first: list[torch.Tensor] = []  # the same, [heads, capacity + 1, width]
         self._scratch: list[torch.Tensor] = []  # a joining request's positions, read to compare
         self._keys: list[BlockKey] = []  # pool keys of the prefix's leading full blocks
+        self._aliases: set[tuple[BlockKey, int]] = set()  # (key, index): that block equals the prefix's there
+        self.num_positions_read = 0  # positions of joining requests read to compare with the prefix
 
     @property
     def keys(self) -> list[torch.Tensor]:
@@ -46,6 +53,7 @@ class ContextPrefix:
         """The ``length`` first positions of the request owning ``blocks`` become the prefix."""
         self._reserve(length)
         self._keys = []
+        self._aliases = set()
         for block in blocks[: length // self._pool.block_size]:
             key = self._pool.key_of(block)
             if key is None:
@@ -65,28 +73,60 @@ class ContextPrefix:
         same = min(length, self.length)
         if same < at_least:
             return 0
-        known = self._known(blocks, same)
-        if known == same:
-            return same
-        slots = self._pool.slots(blocks, known, same - known)
-        for pool_t, rows, scratch in zip(self._pool_tensors(), self._rows, self._scratch, strict=True):
-            mine = torch.index_select(pool_t, 0, slots[: same - known], out=scratch[: same - known])
-            theirs = rows[known:same]
-            if not torch.equal(mine, theirs):  # the first that differs:
-                same = known + int((mine != theirs).flatten(1).any(1).nonzero()[0, 0])
-            if same < at_least:
-                return 0
+        known = start = self._known(blocks, same)
+        while start < same:  # the first block's positions, then the rest
+            stop = min(same, start + self._pool.block_size) if start == known else same
+            first = self._equal_until(blocks, start, stop)
+            if first < stop:
+                same = first
+                break
+            start = stop
+        if same < at_least:
+            return 0
+        self._alias(blocks, known, same)
         return same
 
     def _known(self, blocks: Sequence[int], limit: int) -> int:
-        """The first positions (at most ``limit``) in leading blocks whose keys are the prefix's."""
+        """The first positions (at most ``limit``) in leading blocks whose keys are the prefix's, or
+        aliases of the prefix's block at the same place."""
         size = self._pool.block_size
         count = 0
-        for block, key in zip(blocks[: limit // size], self._keys, strict=False):
-            if self._pool.key_of(block) != key:
+        for index, block in enumerate(blocks[: limit // size]):
+            key = self._pool.key_of(block)
+            if key is None:
+                break
+            own = self._keys[index] if index < len(self._keys) else None
+            if key != own and (key, index) not in self._aliases:
                 break
             count += 1
         return count * size
+
+    def _equal_until(self, blocks: Sequence[int], start: int, stop: int) -> int:
+        """The first position in [start, stop) where the request's KV differs from the prefix's in
+        some layer; ``stop`` where none does."""
+        count = stop - start
+        self.num_positions_read += count
+        slots = self._pool.slots(blocks, start, count)
+        for pool_t, rows, scratch in zip(self._pool_tensors(), self._rows, self._scratch, strict=True):
+            mine = torch.index_select(pool_t, 0, slots[:count], out=scratch[:count])
+            theirs = rows[start : start + count]
+            if not torch.equal(mine, theirs):  # the first that differs:
+                count = int((mine != theirs).flatten(1).any(1).nonzero()[0, 0])
+                if count == 0:
+                    break
+        return start + count
+
+    def _alias(self, blocks: Sequence[int], known: int, same: int) -> None:
+        """Remembers the keys of the request's full blocks in [known, same), found equal to the
+        prefix's by their KV."""
+        size = self._pool.block_size
+        for index in range(known // size, same // size):
+            key = self._pool.key_of(blocks[index])
+            if key is None or (index < len(self._keys) and key == self._keys[index]):
+                continue
+            if len(self._aliases) >= MAX_ALIASES:
+                self._aliases = set()
+            self._aliases.add((key, index))
 
     def fill(self, targets: Sequence[torch.Tensor], start: int, stop: int) -> None:
         """Copies the prefix's positions [start, stop) into the first ``stop - start`` positions of
@@ -98,11 +138,13 @@ class ContextPrefix:
         """No prefix any more; the buffers stay for the next one."""
         self.length = 0
         self._keys = []
+        self._aliases = set()
 
     def release(self) -> None:
         """No prefix, and its memory given back."""
         self.length = 0
         self._keys = []
+        self._aliases = set()
         self._rows, self._heads_first, self._scratch = [], [], []
 
     def _pool_tensors(self) -> list[torch.Tensor]:

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from decode_service.context_prefix import ContextPrefix
 from decode_service.kv_pool import KvPool
 from decode_service.step_cache import MIN_SHARED_TOKENS, BatchContext
 from pdserve.kv.layout import KvLayout
@@ -183,3 +184,59 @@ def test_every_request_keeps_its_whole_kv_through_any_joins_leaves_and_steps(
         if op == "step":
             requests.step(context)
     assert pool.num_free_blocks + sum(len(b) for b in requests.blocks.values()) == pool.num_blocks
+
+
+def _keyed(pool: KvPool, common: list[torch.Tensor], instance: str, own: int, seed: int) -> list[int]:
+    """A request over the common KV, its full prompt blocks keyed by prefill ``instance``."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = [
+        torch.cat([c, torch.randn(c.shape[0], own, c.shape[2], generator=generator)], 1) for c in common
+    ]
+    length = tensors[0].shape[1]
+    keys = [(instance, i) for i in range(length // pool.block_size)]
+    blocks, shared = pool.admit(length, keys)
+    n = LAYOUT.num_layers
+    pool.write(blocks, list(zip(tensors[:n], tensors[n:], strict=True)), shared)
+    return blocks
+
+
+def test_blocks_of_another_prefill_found_equal_are_known_by_their_keys_from_then_on() -> None:
+    pool = KvPool(LAYOUT, num_blocks=256, block_size=4, device=torch.device("cpu"))
+    generator = torch.Generator().manual_seed(1)
+    common = [torch.randn(h, 20, w, generator=generator) for h, w in (*LAYOUT.keys, *LAYOUT.values)]
+    prefix = ContextPrefix(pool)
+    prefix.adopt(_keyed(pool, common, "prefill-a", 4, seed=2), 24)
+    # The same prompt from another prefill: its blocks' KV is read and found equal.
+    assert prefix.measure(_keyed(pool, common, "prefill-b", 4, seed=3), 24, MIN_SHARED_TOKENS) == 20
+    assert prefix.num_positions_read == 24
+    # Another request over that prefill's same blocks: only its own block is read.
+    assert prefix.measure(_keyed(pool, common, "prefill-b", 4, seed=4), 24, MIN_SHARED_TOKENS) == 20
+    assert prefix.num_positions_read == 24 + 4
+    # A request over another prompt is read one block's worth and found to share nothing.
+    other = [torch.randn(c.shape, generator=generator) for c in common]
+    assert prefix.measure(_keyed(pool, other, "prefill-c", 4, seed=5), 24, MIN_SHARED_TOKENS) == 0
+    assert prefix.num_positions_read == 24 + 4 + 4
+    # A new prefix forgets what was known equal to the old one.
+    prefix.adopt(_keyed(pool, other, "prefill-c", 4, seed=6), 24)
+    before = prefix.num_positions_read
+    assert prefix.measure(_keyed(pool, common, "prefill-b", 4, seed=7), 24, MIN_SHARED_TOKENS) == 0
+    assert prefix.num_positions_read == before + 4
+
+
+def test_a_key_known_equal_at_one_place_is_not_taken_at_another() -> None:
+    pool = KvPool(LAYOUT, num_blocks=256, block_size=4, device=torch.device("cpu"))
+    generator = torch.Generator().manual_seed(8)
+    block = [torch.randn(h, 4, w, generator=generator) for h, w in (*LAYOUT.keys, *LAYOUT.values)]
+    twice = [torch.cat([b, b], 1) for b in block]  # the same KV in the first two blocks
+    prefix = ContextPrefix(pool)
+    prefix.adopt(_keyed(pool, twice, "prefill-a", 0, seed=9), 8)
+    first = _keyed(pool, block, "prefill-b", 4, seed=10)  # its block 0 equals the prefix's
+    assert prefix.measure(first, 8, 4) == 4
+    # A request whose block 1 is prefill-b's block 0: equal in KV, but known only where it was seen.
+    second = [first[0], first[0]]
+    before = prefix.num_positions_read
+    assert prefix.measure(second, 8, 4) == 8
+    assert prefix.num_positions_read == before + 4
+    # Known now at both places: neither is read again.
+    assert prefix.measure(second, 8, 4) == 8
+    assert prefix.num_positions_read == before + 4
