@@ -95,8 +95,7 @@ class ContextPrefix:
             key = self._pool.key_of(block)
             if key is None:
                 break
-            own = self._keys[index] if index < len(self._keys) else None
-            if key != own and (key, index) not in self._aliases:
+            if key != self._key_at(index) and (key, index) not in self._aliases:
                 break
             count += 1
         return count * size
@@ -122,11 +121,15 @@ class ContextPrefix:
         size = self._pool.block_size
         for index in range(known // size, same // size):
             key = self._pool.key_of(blocks[index])
-            if key is None or (index < len(self._keys) and key == self._keys[index]):
+            if key is None or key == self._key_at(index):
                 continue
             if len(self._aliases) >= MAX_ALIASES:
                 self._aliases = set()
             self._aliases.add((key, index))
+
+    def _key_at(self, index: int) -> BlockKey | None:
+        """The pool key of the prefix's block ``index``, None past its keyed leading blocks."""
+        return self._keys[index] if index < len(self._keys) else None
 
     def fill(self, targets: Sequence[torch.Tensor], start: int, stop: int) -> None:
         """Copies the prefix's positions [start, stop) into the first ``stop - start`` positions of
@@ -142,9 +145,7 @@ class ContextPrefix:
 
     def release(self) -> None:
         """No prefix, and its memory given back."""
-        self.length = 0
-        self._keys = []
-        self._aliases = set()
+        self.forget()
         self._rows, self._heads_first, self._scratch = [], [], []
 
     def _pool_tensors(self) -> list[torch.Tensor]:

@@ -4,10 +4,12 @@ rebases keep every request's whole KV, bit for bit, between the two."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from decode_service import context_prefix
 from decode_service.context_prefix import ContextPrefix
 from decode_service.kv_pool import KvPool
 from decode_service.step_cache import MIN_SHARED_TOKENS, BatchContext
@@ -240,3 +242,17 @@ def test_a_key_known_equal_at_one_place_is_not_taken_at_another() -> None:
     # Known now at both places: neither is read again.
     assert prefix.measure(second, 8, 4) == 8
     assert prefix.num_positions_read == before + 4
+
+
+def test_aliases_stay_bounded_however_many_keys_are_found_equal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(context_prefix, "MAX_ALIASES", 8)
+    pool = KvPool(LAYOUT, num_blocks=1024, block_size=4, device=torch.device("cpu"))
+    generator = torch.Generator().manual_seed(11)
+    common = [torch.randn(h, 20, w, generator=generator) for h, w in (*LAYOUT.keys, *LAYOUT.values)]
+    prefix = ContextPrefix(pool)
+    prefix.adopt(_keyed(pool, common, "prefill-a", 4, seed=12), 24)
+    for n in range(20):  # every request from a prefill of its own: 5 new keys found equal each
+        blocks = _keyed(pool, common, f"prefill-{n}", 4, seed=13 + n)
+        assert prefix.measure(blocks, 24, MIN_SHARED_TOKENS) == 20
+        assert len(prefix._aliases) <= 8
+        pool.free(blocks)
