@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.model import decode_attention
+from pdserve.model import cpu_kernel, decode_attention
 from pdserve.model.decode_attention import attend_one_query
-from tests.decode_kernel import require_decode_kernel
+from tests.cpu_kernels import require_decode_kernel
 
 
 @pytest.fixture(scope="module")
@@ -166,14 +166,14 @@ def test_compiled_code_calls_it_without_a_graph_break(kernel: None) -> None:
 def test_a_built_kernel_is_reused_and_a_missing_compiler_is_reported(
     kernel: None, cache_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    directory = cache_dir / decode_attention.CACHE_SUBDIR
-    library = decode_attention._build(directory)
+    directory = cache_dir / cpu_kernel.CACHE_SUBDIR
+    library = cpu_kernel.build(decode_attention.SOURCE, directory)
     built_at = library.stat().st_mtime_ns
-    assert decode_attention._build(directory) == library
+    assert cpu_kernel.build(decode_attention.SOURCE, directory) == library
     assert library.stat().st_mtime_ns == built_at
-    monkeypatch.setenv(decode_attention.COMPILER_ENV, "/nonexistent/c++")
+    monkeypatch.setenv(cpu_kernel.COMPILER_ENV, "/nonexistent/c++")
     with pytest.raises(FileNotFoundError, match=r"no C\+\+ compiler"):
-        decode_attention._build(directory)
+        cpu_kernel.build(decode_attention.SOURCE, directory)
     monkeypatch.setattr(decode_attention._Kernel, "loaded", False)
     with caplog.at_level(logging.WARNING, logger=decode_attention.__name__):
         assert not decode_attention.load(cache_dir / "elsewhere")

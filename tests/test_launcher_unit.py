@@ -288,6 +288,9 @@ def test_service_command() -> None:
     flags = dict(zip(colocated[4::2], colocated[5::2], strict=True))
     assert flags["--ep"] == "2" and flags["--compile"] == "true"
     assert "--compile" not in decode
+    assert "--linear-layout" not in decode  # auto: each engine times its own
+    pinned = launch_spec.service_command(UpConfig(linear_layout="packed"), LaunchSpec("prefill"))
+    assert dict(zip(pinned[4::2], pinned[5::2], strict=True))["--linear-layout"] == "packed"
     gateway = launch_spec.service_command(
         UpConfig(port=8000), LaunchSpec("gateway", port=8000, prefill=("h:1", "h:2"), decode=("h:3",))
     )

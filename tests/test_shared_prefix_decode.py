@@ -24,8 +24,8 @@ from pdserve.core.sampling import SamplingParams
 from pdserve.kv.layout import KvLayout
 from pdserve.model import decode_attention
 from pdserve.model.shared_prefix_attention import attend, use_shared_prefix_attention
+from tests.cpu_kernels import require_decode_kernel
 from tests.decode_batch import decode_as_one_batch
-from tests.decode_kernel import require_decode_kernel
 from tests.devices import ON_CPU_AND_CUDA
 from tests.engine_models import eager_engine_model
 from tests.test_equivalence import reference_tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pdserve.config import EngineConfig
+from pdserve.model import cpu_kernel, packed_linear
 from pdserve.model.engine_model import load_engine_model
 from pdserve.model.packed_linear import PackedLinear
 from pdserve.model.presets.tiny import INITIALIZER_RANGE, SEED, fill_portable, tiny_config
@@ -62,12 +64,16 @@ def test_tied_output_projection_keeps_its_layout() -> None:
     assert embeddings.is_contiguous()
 
 
-def test_a_compiled_cpu_engine_model_packs_its_weights_or_else_loads_them_input_major(
+def test_a_cpu_engine_model_asked_to_pack_packs_its_weights_or_else_loads_them_input_major(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = EngineConfig(model="tiny-llama", cache_dir=str(cache_dir), compile="true")
+    config = EngineConfig(
+        model="tiny-llama", cache_dir=str(cache_dir), compile="true", linear_layout="packed"
+    )
     if torch.backends.mkldnn.is_available():  # compiled code calls the packed product (packed_linear)
         assert isinstance(load_engine_model(config).model.model.layers[0].self_attn.q_proj, PackedLinear)
+        # ... through its C++ kernel, built with the model where a compiler is.
+        assert packed_linear.has_cpp_kernel() or shutil.which(cpu_kernel.compiler()) is None
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     projection = load_engine_model(config).model.model.layers[0].self_attn.q_proj
     assert projection.weight.stride() == (1, projection.out_features)

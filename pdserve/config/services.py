@@ -34,6 +34,7 @@ GPU_BACKENDS = ("nccl", "cuda-ipc")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's names
 EP_DISPATCHES = ("auto", "deepep-normal", "all-to-all")
+LINEAR_LAYOUTS = ("auto", "packed", "input-major", "plain")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,14 @@ class EngineConfig:
         metadata={
             "help": "compiled forwards: compile a shape class the warm-up did not when a request first "
             "needs it (the engine waits for the compilation); by default that forward runs eagerly"
+        },
+    )
+    linear_layout: str = field(
+        default="auto",
+        metadata={
+            "help": "how linear weights are held for float32 on a CPU: auto (the faster of packed and "
+            "input-major, timed on the model's products at start-up), packed (by oneDNN), input-major "
+            "(MKL's GEMM) or plain (as loaded); see pdserve/model/linear_layout.py"
         },
     )
     no_shared_prefix_attention: bool = field(
@@ -129,6 +138,7 @@ class EngineConfig:
         object.__setattr__(self, "compile", compile_setting(self.compile))
         if self.enforce_eager and self.compile == "true":
             raise ValueError("compile=true and enforce_eager contradict each other: choose one")
+        check_choice("linear_layout", self.linear_layout, LINEAR_LAYOUTS)
         check_at_least("threads", self.threads, 1)
         parse_cpu_list(self.cpus)
         check_at_least("max_model_len", self.max_model_len, 0)

@@ -27,7 +27,7 @@ from pdserve.config.checks import (
     check_positive,
 )
 from pdserve.config.compile_setting import compile_setting
-from pdserve.config.services import DTYPE_ALIASES, DTYPES
+from pdserve.config.services import DTYPE_ALIASES, DTYPES, LINEAR_LAYOUTS
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -99,6 +99,13 @@ class UpConfig:
     no_shared_prefix_attention: bool = field(
         default=False,
         metadata={"help": "engines attend to a KV prefix their rows share row by row, not once for all"},
+    )
+    linear_layout: str = field(
+        default="auto",
+        metadata={
+            "help": "engines' linear weights for float32 on a CPU: auto (the faster of packed and "
+            "input-major, timed at start-up), packed, input-major or plain"
+        },
     )
     max_restarts: int = field(
         default=5, metadata={"help": "give up when one child dies more often than this within the window"}
@@ -193,6 +200,7 @@ class UpConfig:
         check_device("device", self.device)
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         check_choice("dtype", self.dtype, DTYPES)
+        check_choice("linear_layout", self.linear_layout, LINEAR_LAYOUTS)
         for name in ("max_batch_tokens", "max_running", "kv_block_size"):
             check_at_least(name, getattr(self, name), 0)
         check_chat_template(self.chat_template)
@@ -289,6 +297,8 @@ def service_command(config: UpConfig, spec: LaunchSpec) -> list[str]:
             command += ["--recompile-in-serving", "true"]
         if config.no_shared_prefix_attention:
             command += ["--no-shared-prefix-attention", "true"]
+        if config.linear_layout != "auto":
+            command += ["--linear-layout", config.linear_layout]
         command += _set_only(dtype="" if config.dtype == "auto" else config.dtype)
     if spec.role in (PREFILL, COLOCATED):
         command += ["--kv-port", str(spec.kv_port)]

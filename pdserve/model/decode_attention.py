@@ -15,8 +15,8 @@ position by position, every head of a position together, as they lie in memory: 
 same four layers. Scores, softmax and sums are float32, as sdpa's; results equal sdpa's to float
 rounding (the sums run in another order). Grouped-query heads share their key and value head.
 
-The operator is C++ built with the machine's compiler when the engine loads its model (``load``;
-a few seconds, then cached under the cache directory by a key of its source, torch and the CPU),
+The operator is C++ built with the machine's compiler when the engine loads its model (``load``,
+through ``pdserve.model.cpu_kernel``: a few seconds, then cached under the cache directory),
 and a forward takes it where it applies (``attend_one_query``: a CPU, float32, one query per row,
 no mask or an additive one): plain and ragged decode steps, and the rows' own positions after a
 shared prefix (``shared_prefix_attention``, which joins them to the prefix's part by each query's
@@ -26,27 +26,20 @@ Compiled forwards call it as they call any operator (its shape function is regis
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils import cpp_extension
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from pdserve.model import cpu_kernel
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 OPERATOR = "pdserve::decode_attention"
-CACHE_SUBDIR = "kernels"
-COMPILER_ENV = "CXX"  # the C++ compiler to build with (default: c++, as torch's builds)
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC", "-w")
 
 _LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
 _LIBRARY.define(
@@ -78,8 +71,7 @@ def load(cache_dir: Path) -> bool:
     if is_loaded():
         return True
     try:
-        library = _build(cache_dir / CACHE_SUBDIR)
-        torch.ops.load_library(str(library))
+        library = cpu_kernel.load(SOURCE, cache_dir)
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("decode attention kernel not loaded (%s): decode steps on a CPU run sdpa", exc)
         return False
@@ -135,58 +127,3 @@ def attention_forward(
         return one_query[0]
     out, _ = sdpa_attention_forward(module, query, key, value, mask, **kwargs)
     return out
-
-
-def compiler() -> str:
-    """The C++ compiler the operator is built with: ``$CXX``, else ``c++``."""
-    return os.environ.get(COMPILER_ENV) or "c++"
-
-
-def _build(directory: Path) -> Path:
-    """The operator's shared library under ``directory``, compiled there first when missing."""
-    cxx = compiler()
-    if shutil.which(cxx) is None:
-        raise FileNotFoundError(f"no C++ compiler {cxx!r} on PATH")
-    torch_lib = Path(torch.__file__).parent / "lib"
-    command = [
-        cxx,
-        *FLAGS,
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        *(f"-I{path}" for path in cpp_extension.include_paths()),
-        str(SOURCE),
-        f"-L{torch_lib}",
-        "-lc10",
-        "-ltorch_cpu",
-        f"-Wl,-rpath,{torch_lib}",
-    ]
-    key = hashlib.sha256()  # what the library depends on: not where this checkout lies
-    options = [part for part in command if part != str(SOURCE) and not part.startswith(("-I", "-L", "-Wl"))]
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(options).encode(), _cpu_id()):
-        key.update(part)
-    library = directory / f"decode_attention-{key.hexdigest()[:20]}.so"
-    if library.exists():
-        return library
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        built = Path(tmp) / library.name
-        result = subprocess.run([*command, "-o", str(built)], capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            raise subprocess.SubprocessError(f"{cxx} exited {result.returncode}: {result.stderr[-2000:]}")
-        os.replace(built, library)  # atomic: processes building at once each publish a whole library
-    logger.info("decode attention kernel built: %s", library)
-    return library
-
-
-def _cpu_id() -> bytes:
-    """What ``-march=native`` compiles for: the machine and its CPU's model and flags."""
-    identity = [platform.machine()]
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith(("model name", "flags", "Features", "CPU part")):
-                    identity.append(line.strip())
-                if line.strip() == "":
-                    break  # the first processor's lines
-    except OSError:
-        pass
-    return "\n".join(identity).encode()

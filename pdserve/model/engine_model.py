@@ -18,7 +18,7 @@ import pdserve.model.deepseek_moe  # noqa: F401  (registers model_type "deepseek
 from pdserve.config import EngineConfig
 from pdserve.core.limits import ModelLimits
 from pdserve.kv.layout import KvLayout
-from pdserve.model import decode_attention
+from pdserve.model import decode_attention, packed_linear
 from pdserve.model.compile_choice import choose_compile
 from pdserve.model.compiled_forward import (
     CompiledForward,
@@ -27,9 +27,9 @@ from pdserve.model.compiled_forward import (
     use_compile_cache,
     warm_up_or_fall_back,
 )
-from pdserve.model.packed_linear import can_pack_linear_weights, pack_linear_weights
+from pdserve.model.linear_layout import apply_linear_layout, choose_linear_layout
+from pdserve.model.packed_linear import can_pack_linear_weights
 from pdserve.model.source import default_cache_dir, resolve_model_dir
-from pdserve.model.weight_layout import prefers_input_major, store_linear_weights_input_major
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +164,10 @@ def load_engine_model(config: EngineConfig, before_move: Callable[[Any], None] |
     if device.type == "cpu" and dtype == torch.float32:
         decode_attention.load(cache_root)
     if can_pack_linear_weights(device, dtype):
-        logger.info("%d linear weights packed by oneDNN", pack_linear_weights(model))
-    elif prefers_input_major(device, dtype):
-        logger.info("%d linear weights stored input-major", store_linear_weights_input_major(model))
+        packed_linear.load(cache_root)  # before timing: the products run the kernel the forwards will
+    layout = choose_linear_layout(config.linear_layout, model, device, dtype)
+    changed = apply_linear_layout(model, layout.layout)
+    logger.info("linear weights %s (%d changed): %s", layout.layout, changed, layout.reason)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     limits = ModelLimits.from_config(hf_config, config.max_model_len, eos_token_ids(model_dir, hf_config))
     return EngineModel(

@@ -8,7 +8,8 @@ float16 gain nothing, and CUDA's GEMMs read either layout at full speed. Values,
 stay as they were: ``weight`` is the same logical tensor and everything reading it works unchanged.
 
 A weight shared with another module (an output projection tied to the input embeddings) keeps its
-layout: the embedding gathers rows of it, which the swapped strides would scatter.
+layout: the embedding gathers rows of it, which the swapped strides would scatter. Whether an engine
+stores its weights this way or packs them (``packed_linear``) is ``linear_layout``'s choice.
 """
 
 from __future__ import annotations
@@ -24,10 +25,7 @@ def prefers_input_major(device: torch.device, dtype: torch.dtype) -> bool:
 
 def store_linear_weights_input_major(model: nn.Module) -> int:
     """Re-store every unshared 2-D ``nn.Linear`` weight of ``model`` input-major; returns how many."""
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for parameter in module.parameters(recurse=False):
-            owners[id(parameter)] = owners.get(id(parameter), 0) + 1
+    owners = parameter_owners(model)
     changed = 0
     for module in model.modules():
         if not isinstance(module, nn.Linear):
@@ -38,3 +36,12 @@ def store_linear_weights_input_major(model: nn.Module) -> int:
         module.weight = nn.Parameter(weight.detach().t().contiguous().t(), requires_grad=weight.requires_grad)
         changed += 1
     return changed
+
+
+def parameter_owners(model: nn.Module) -> dict[int, int]:
+    """How many modules of ``model`` hold each parameter (by ``id``): more than one shares it."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for parameter in module.parameters(recurse=False):
+            owners[id(parameter)] = owners.get(id(parameter), 0) + 1
+    return owners
