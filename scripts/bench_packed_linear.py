@@ -38,10 +38,10 @@ def _median_ms(model: torch.nn.Module, forward: object, rows: int, tokens: int, 
     with torch.inference_mode():
         for _ in range(repeats):
             cache = DynamicCache(config=model.config)
-            model(input_ids=torch.randint(0, vocab, (rows, CONTEXT)), past_key_values=cache, use_cache=True)
+            model(input_ids=torch.randint(0, vocab, (rows, CONTEXT)), cache=cache, use_cache=True)
             new = torch.randint(0, vocab, (rows, tokens))
             start = time.perf_counter()
-            forward(input_ids=new, past_key_values=cache, use_cache=True)  # type: ignore[operator]
+            forward(input_ids=new, cache=cache, use_cache=True)  # type: ignore[operator]
             times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
