@@ -175,7 +175,7 @@ def test_a_built_kernel_is_reused_and_a_missing_compiler_is_reported(
     with pytest.raises(FileNotFoundError, match=r"no C\+\+ compiler"):
         cpu_kernel.build(decode_attention.SOURCE, directory)
     monkeypatch.setattr(decode_attention._Kernel, "loaded", False)
-    with caplog.at_level(logging.WARNING, logger=decode_attention.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
         assert not decode_attention.load(cache_dir / "elsewhere")
     assert "decode steps on a CPU run sdpa" in caplog.text
     assert (

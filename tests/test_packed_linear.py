@@ -98,7 +98,7 @@ def test_a_kernel_that_cannot_be_built_is_reported(
 ) -> None:
     monkeypatch.setattr(packed_linear, "has_cpp_kernel", lambda: False)
     monkeypatch.setenv(cpu_kernel.COMPILER_ENV, "/nonexistent/c++")
-    with caplog.at_level(logging.WARNING, logger=packed_linear.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
         assert not packed_linear.load(tmp_path)
     assert "packed products run a Python kernel" in caplog.text
     assert not (tmp_path / cpu_kernel.CACHE_SUBDIR).exists()

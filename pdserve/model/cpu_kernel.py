@@ -3,8 +3,8 @@ an engine loads its model and loaded into its process.
 
 A build takes a few seconds; its shared library is cached under the cache directory by a key of the
 source, torch, the compiler's options and the CPU (``-march=native``), so a later start loads it at
-once. Where there is no compiler (a bare GPU image) or the build fails, the caller logs it and runs its
-operator's fallback.
+once. Where there is no compiler (a bare GPU image) or the build fails, ``load`` logs it and the caller
+runs its operator's fallback.
 """
 
 from __future__ import annotations
@@ -33,13 +33,18 @@ def compiler() -> str:
     return os.environ.get(COMPILER_ENV) or "c++"
 
 
-def load(source: Path, cache_dir: Path) -> Path:
+def load(source: Path, cache_dir: Path, name: str, fallback: str) -> bool:
     """Builds ``source`` under ``cache_dir`` (once per source, torch and CPU) and loads its library into
-    this process; returns the library. Raises ``OSError`` or ``subprocess.SubprocessError`` when it
-    cannot be built or loaded."""
-    library = build(source, cache_dir / CACHE_SUBDIR)
-    torch.ops.load_library(str(library))
-    return library
+    this process; returns whether it loaded. A build or load that fails is logged with ``name`` (the
+    operator, in words) and ``fallback`` (what runs instead)."""
+    try:
+        library = build(source, cache_dir / CACHE_SUBDIR)
+        torch.ops.load_library(str(library))
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("%s not loaded (%s): %s", name, exc, fallback)
+        return False
+    logger.info("%s loaded from %s", name, library)
+    return True
 
 
 def build(source: Path, directory: Path) -> Path:

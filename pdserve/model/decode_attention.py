@@ -26,8 +26,6 @@ Compiled forwards call it as they call any operator (its shape function is regis
 
 from __future__ import annotations
 
-import logging
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +33,6 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from pdserve.model import cpu_kernel
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 OPERATOR = "pdserve::decode_attention"
@@ -70,13 +66,8 @@ def load(cache_dir: Path) -> bool:
     process; returns whether it is loaded. A build that fails is logged, and forwards run sdpa."""
     if is_loaded():
         return True
-    try:
-        library = cpu_kernel.load(SOURCE, cache_dir)
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("decode attention kernel not loaded (%s): decode steps on a CPU run sdpa", exc)
-        return False
-    _Kernel.loaded = torch._C._dispatch_has_kernel_for_dispatch_key(OPERATOR, "CPU")
-    logger.info("decode attention kernel loaded from %s", library)
+    if cpu_kernel.load(SOURCE, cache_dir, "decode attention kernel", "decode steps on a CPU run sdpa"):
+        _Kernel.loaded = torch._C._dispatch_has_kernel_for_dispatch_key(OPERATOR, "CPU")
     return _Kernel.loaded
 
 

@@ -30,8 +30,6 @@ embeddings) stays plain.
 
 from __future__ import annotations
 
-import logging
-import subprocess
 from pathlib import Path
 
 import torch
@@ -40,8 +38,6 @@ from torch import nn
 from pdserve.model import cpu_kernel
 from pdserve.model.compiled_forward import static_dims
 from pdserve.model.weight_layout import parameter_owners
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 OPERATOR = "pdserve::packed_linear"
@@ -118,13 +114,10 @@ def load(cache_dir: Path) -> bool:
     run the Python kernel."""
     if has_cpp_kernel():
         return True
-    try:
-        library = cpu_kernel.load(SOURCE, cache_dir)
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("packed linear kernel not loaded (%s): packed products run a Python kernel", exc)
-        return False
-    logger.info("packed linear kernel loaded from %s", library)
-    return has_cpp_kernel()
+    return (
+        cpu_kernel.load(SOURCE, cache_dir, "packed linear kernel", "packed products run a Python kernel")
+        and has_cpp_kernel()
+    )
 
 
 def has_cpp_kernel() -> bool:
