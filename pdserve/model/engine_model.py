@@ -163,7 +163,7 @@ def load_engine_model(config: EngineConfig, before_move: Callable[[Any], None] |
         model = model.to(device)
     if device.type == "cpu" and dtype == torch.float32:
         decode_attention.load(cache_root)
-    if can_pack_linear_weights(device, dtype):
+    if config.linear_layout in ("auto", "packed") and can_pack_linear_weights(device, dtype):
         packed_linear.load(cache_root)  # before timing: the products run the kernel the forwards will
     layout = choose_linear_layout(config.linear_layout, model, device, dtype)
     changed = apply_linear_layout(model, layout.layout)

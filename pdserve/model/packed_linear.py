@@ -15,7 +15,9 @@ layouts otherwise: an engine times both on its model (``linear_layout``).
 A packed (``mkldnn`` layout) tensor has no strides for torch.compile to trace: the product is an
 operator of its own (``pdserve::packed_linear``, with a shape function), which compiled code calls as
 it is. The compiled decode step of the reference model at 16 rows: 8.8 against 11.1 ms in the
-compiled graph.
+compiled graph. A packed layer keeps no plain copy of its weight (``weight`` unpacks one when read,
+for the rare reader); a weight shared with another module (an output projection tied to the input
+embeddings) stays plain.
 
 The operator's kernel is C++ (``packed_linear.cpp``, built and loaded by ``load`` with the engine's
 model): compiled code on a CPU runs without the GIL (inductor's C++ wrapper) and calls it through the
@@ -23,9 +25,7 @@ dispatcher, so the 29 products of a step neither take the GIL nor run a Python f
 cannot be built, a Python kernel calls oneDNN instead, and each call takes the GIL: compiled forwards
 of the reference model, one thread, median of 15 (``scripts/bench_packed_linear.py``): 16 rows of one
 token 8.3 against 11.4 ms, 3 rows of 32 tokens 14.8 against 21.2 ms, and far more than that while
-another thread of the process runs Python. A packed layer keeps no plain copy of its weight (``weight`` unpacks one when read,
-for the rare reader); a weight shared with another module (an output projection tied to the input
-embeddings) stays plain.
+another thread of the process runs Python.
 """
 
 from __future__ import annotations
