@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from pdserve.kv.host_pages import empty_pool
 from pdserve.kv.layout import KvLayout
 from prefill_service.block_ids import BlockIds
 
@@ -144,8 +145,8 @@ class PrefixCache:
         n = self.capacity_blocks
         self._pools = [
             (
-                torch.empty((kh, n * block_size, kw), dtype=layout.dtype, device=device),
-                torch.empty((vh, n * block_size, vw), dtype=layout.dtype, device=device),
+                empty_pool((kh, n * block_size, kw), layout.dtype, device),
+                empty_pool((vh, n * block_size, vw), layout.dtype, device),
             )
             for (kh, kw), (vh, vw) in zip(layout.keys, layout.values, strict=True)
         ]
