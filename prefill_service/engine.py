@@ -275,6 +275,7 @@ class PrefillEngine:
                 finished = self._run_group(group, jobs)
             except Exception as exc:
                 logger.exception("prefill forward of %d requests failed", len(jobs))
+                self._flush_prefix()  # blocks offered before the failure: their KV is still intact
                 for job in jobs:
                     self._fail(job, exc)
                     line.remove(job)
@@ -285,6 +286,9 @@ class PrefillEngine:
                     self._answer(job, finished[job])
                 else:
                     cut.append(job)
+            # The copies into the prefix cache, once the group's first tokens are on their way and
+            # before anything else can take the memory they read (the next forward's packing).
+            self._flush_prefix()
         for job in cut:
             line.remove(job)
             line.append(job)
@@ -345,6 +349,10 @@ class PrefillEngine:
             )
             for job, result in finished.items()
         }
+
+    def _flush_prefix(self) -> None:
+        if self._prefix is not None:
+            self._prefix.flush()
 
     def _offer_blocks(self, job: PromptJob, blocks: list[tuple[bytes, int]], kv: LayerKv) -> None:
         """Offers the prefix cache ``job``'s new full blocks (hash, index; consecutive) from its KV

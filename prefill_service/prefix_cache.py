@@ -163,6 +163,8 @@ class PrefixCache:
         self._gathered: dict[tuple[int, ...], tuple[int, LayerKv]] = {}
         self._on_evict = on_evict
         self._ids = block_ids if block_ids is not None else BlockIds()
+        # Copies ``insert`` planned and ``flush`` makes: (runs of (first block of kv, slot, blocks), kv).
+        self._pending: list[tuple[list[tuple[int, int, int]], LayerKv]] = []
 
     @property
     def capacity_tokens(self) -> int:
@@ -188,6 +190,7 @@ class PrefixCache:
     def lookup(self, hashes: Sequence[bytes], num_prompt_tokens: int) -> PrefixMatch:
         """The cached blocks that start a prompt of these block hashes, each referenced once; never
         the block of the prompt's last token."""
+        self.flush()
         usable = min(len(hashes), (num_prompt_tokens - 1) // self.block_size)
         found: list[Block] = []
         for block_hash in hashes[:usable]:
@@ -211,6 +214,7 @@ class PrefixCache:
         """Per layer, the keys and values of a match's tokens ``[heads, tokens, width]``: views of the
         pools when its blocks lie in consecutive slots (as a prompt's blocks do, as a rule), valid
         while the match holds its references; new tensors otherwise."""
+        self.flush()
         size = self.block_size
         first = match.blocks[0].slot if match.blocks else 0
         if all(block.slot == first + i for i, block in enumerate(match.blocks)):
@@ -254,7 +258,9 @@ class PrefixCache:
         of the prompt's block before them, when the same prompt's earlier forward computed it. Evicts
         unreferenced blocks when full, least recently used first (see the module's text). Returns, per
         hash, the id of the block cached with ``kv``'s tokens, or None where none was (one already
-        there, or no room left because every block is referenced)."""
+        there, or no room left because every block is referenced). The copy itself waits for the
+        next ``flush``: the engine answers a forward's prompts first, since the first writes into a
+        fresh pool fault its pages in."""
         added: list[Block] = []
         uids: list[int | None] = [None] * len(hashes)
         runs: list[tuple[int, int, int]] = []  # (first block of kv, first slot, blocks): consecutive slots
@@ -272,18 +278,27 @@ class PrefixCache:
                 runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
             else:
                 runs.append((i, slot, 1))
-        size = self.block_size
-        for (keys, values), (k, v) in zip(self._pools, kv, strict=True):
-            for first, slot, count in runs:
-                keys[:, slot * size : (slot + count) * size].copy_(
-                    k[:, first * size : (first + count) * size]
-                )
-                values[:, slot * size : (slot + count) * size].copy_(
-                    v[:, first * size : (first + count) * size]
-                )
+        if runs:
+            self._pending.append((runs, kv))
         for block in reversed(added):  # the prompt's later blocks are evicted first
             self._make_free(block)
         return uids
+
+    def flush(self) -> None:
+        """Copies the KV of the blocks inserted since the last flush into their slots, in the order
+        they were inserted (a slot taken twice ends with its last block's KV). Until then ``insert``'s
+        ``kv`` must stay as it was; ``lookup`` and ``kv`` flush first."""
+        pending, self._pending = self._pending, []
+        size = self.block_size
+        for runs, kv in pending:
+            for (keys, values), (k, v) in zip(self._pools, kv, strict=True):
+                for first, slot, count in runs:
+                    keys[:, slot * size : (slot + count) * size].copy_(
+                        k[:, first * size : (first + count) * size]
+                    )
+                    values[:, slot * size : (slot + count) * size].copy_(
+                        v[:, first * size : (first + count) * size]
+                    )
 
     def _make_free(self, block: Block) -> None:
         """``block`` is referenced no more: it may be evicted, after the blocks freed before it."""
@@ -343,6 +358,7 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Drops every unreferenced block."""
+        self.flush()
         for block_hash, block in self._free.items():
             del self._blocks[block_hash]
             self._slot_blocks[block.slot] = None

@@ -88,6 +88,27 @@ def test_an_evicted_slot_holds_the_new_block() -> None:
     assert cache.lookup(cache.hashes(a), len(a)).num_tokens == 0
 
 
+def test_blocks_are_copied_in_at_the_next_flush_and_a_lookup_flushes_first() -> None:
+    """The engine answers a forward's prompts before their blocks are copied into the cache; the
+    copy reads the KV as it is at ``flush`` (and never later), and a lookup never sees a block whose
+    copy is still to come."""
+    cache = new_cache(4, 16)
+    a, b = list(range(9)), list(range(20, 29))
+    source = [(k.clone(), v.clone()) for k, v in blocks_kv(2)]
+    ids = insert(cache, cache.hashes(a), source)
+    assert all(i is not None for i in ids) and cache.num_tokens == 8  # known at once
+    source[0][0].add_(10)  # the KV the copy reads when it runs
+    cache.flush()
+    source[0][0].add_(100)  # after the flush: the cache keeps its copy
+    keys, _ = cache.kv(cache.lookup(cache.hashes(a), len(a)))[0]
+    assert keys[0, :, 0].tolist() == [10.0] * 4 + [11.0] * 4
+
+    insert(cache, cache.hashes(b), [(k + 5, v - 5) for k, v in blocks_kv(2)])  # no flush by hand
+    keys, values = cache.kv(cache.lookup(cache.hashes(b), len(b)))[0]
+    assert keys[1, :, 2].tolist() == [5.0] * 4 + [6.0] * 4
+    assert values[0, :, 0].tolist() == [-5.0] * 4 + [-6.0] * 4
+
+
 def test_each_block_cached_has_an_id_of_its_own() -> None:
     cache = new_cache(4, 8)  # two blocks
     a = list(range(9))
