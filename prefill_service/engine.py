@@ -351,8 +351,14 @@ class PrefillEngine:
         }
 
     def _flush_prefix(self) -> None:
-        if self._prefix is not None:
+        """Copies the blocks offered since the last flush into the prefix cache; one that fails is
+        left out of it (the requests it came from are answered already)."""
+        if self._prefix is None:
+            return
+        try:
             self._prefix.flush()
+        except Exception:
+            logger.exception("copying prompt blocks into the prefix cache failed: they are not cached")
 
     def _offer_blocks(self, job: PromptJob, blocks: list[tuple[bytes, int]], kv: LayerKv) -> None:
         """Offers the prefix cache ``job``'s new full blocks (hash, index; consecutive) from its KV

@@ -163,8 +163,9 @@ class PrefixCache:
         self._gathered: dict[tuple[int, ...], tuple[int, LayerKv]] = {}
         self._on_evict = on_evict
         self._ids = block_ids if block_ids is not None else BlockIds()
-        # Copies ``insert`` planned and ``flush`` makes: (runs of (first block of kv, slot, blocks), kv).
-        self._pending: list[tuple[list[tuple[int, int, int]], LayerKv]] = []
+        # Copies ``insert`` planned and ``flush`` makes: the blocks, their runs of (first block of
+        # kv, first slot, blocks) and the kv.
+        self._pending: list[tuple[list[Block], list[tuple[int, int, int]], LayerKv]] = []
 
     @property
     def capacity_tokens(self) -> int:
@@ -279,7 +280,7 @@ class PrefixCache:
             else:
                 runs.append((i, slot, 1))
         if runs:
-            self._pending.append((runs, kv))
+            self._pending.append((added, runs, kv))
         for block in reversed(added):  # the prompt's later blocks are evicted first
             self._make_free(block)
         return uids
@@ -287,18 +288,25 @@ class PrefixCache:
     def flush(self) -> None:
         """Copies the KV of the blocks inserted since the last flush into their slots, in the order
         they were inserted (a slot taken twice ends with its last block's KV). Until then ``insert``'s
-        ``kv`` must stay as it was; ``lookup`` and ``kv`` flush first."""
+        ``kv`` must stay as it was; ``lookup`` and ``kv`` flush first. A copy that fails leaves its
+        blocks and the ones after it out of the cache, then raises."""
         pending, self._pending = self._pending, []
         size = self.block_size
-        for runs, kv in pending:
-            for (keys, values), (k, v) in zip(self._pools, kv, strict=True):
-                for first, slot, count in runs:
-                    keys[:, slot * size : (slot + count) * size].copy_(
-                        k[:, first * size : (first + count) * size]
-                    )
-                    values[:, slot * size : (slot + count) * size].copy_(
-                        v[:, first * size : (first + count) * size]
-                    )
+        for done, (_, runs, kv) in enumerate(pending):
+            try:
+                for (keys, values), (k, v) in zip(self._pools, kv, strict=True):
+                    for first, slot, count in runs:
+                        keys[:, slot * size : (slot + count) * size].copy_(
+                            k[:, first * size : (first + count) * size]
+                        )
+                        values[:, slot * size : (slot + count) * size].copy_(
+                            v[:, first * size : (first + count) * size]
+                        )
+            except BaseException:
+                for blocks, _, _ in pending[done:]:
+                    for block in blocks:
+                        self._drop(block)
+                raise
 
     def _make_free(self, block: Block) -> None:
         """``block`` is referenced no more: it may be evicted, after the blocks freed before it."""
@@ -359,11 +367,17 @@ class PrefixCache:
     def clear(self) -> None:
         """Drops every unreferenced block."""
         self.flush()
-        for block_hash, block in self._free.items():
-            del self._blocks[block_hash]
-            self._slot_blocks[block.slot] = None
-            self._age[block.slot] = UNUSED
-        self._free.clear()
+        for block in list(self._free.values()):
+            self._drop(block)
+
+    def _drop(self, block: Block) -> None:
+        """Takes an unreferenced block out of the cache (none when evicted already)."""
+        if block.refs or self._blocks.get(block.block_hash) is not block:
+            return
+        del self._blocks[block.block_hash]
+        del self._free[block.block_hash]
+        self._slot_blocks[block.slot] = None
+        self._age[block.slot] = UNUSED
 
 
 def _window_max(values: np.ndarray, width: int) -> np.ndarray:

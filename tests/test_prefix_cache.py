@@ -109,6 +109,25 @@ def test_blocks_are_copied_in_at_the_next_flush_and_a_lookup_flushes_first() -> 
     assert values[0, :, 0].tolist() == [-5.0] * 4 + [-6.0] * 4
 
 
+def test_a_copy_that_fails_leaves_its_blocks_and_the_later_ones_out() -> None:
+    cache = new_cache(4, 32)
+    a, b, c = list(range(9)), list(range(20, 29)), list(range(40, 49))
+    fill(cache, a)
+    cache.flush()
+    bad = [(k[:, :, :2], v) for k, v in blocks_kv(2)]  # keys 2 wide where the pool's are 3
+    insert(cache, cache.hashes(b), bad)
+    fill(cache, c)
+    with pytest.raises(RuntimeError):
+        cache.flush()
+    assert cache.num_tokens == 8  # a's two blocks, copied before
+    assert cache.lookup(cache.hashes(a), len(a)).num_tokens == 8
+    assert cache.lookup(cache.hashes(b), len(b)).num_tokens == 0
+    assert cache.lookup(cache.hashes(c), len(c)).num_tokens == 0
+    fill(cache, c)  # offered again, cached again
+    keys, _ = cache.kv(cache.lookup(cache.hashes(c), len(c)))[0]
+    assert keys[0, :, 0].tolist() == [0.0] * 4 + [1.0] * 4
+
+
 def test_each_block_cached_has_an_id_of_its_own() -> None:
     cache = new_cache(4, 8)  # two blocks
     a = list(range(9))

@@ -30,8 +30,7 @@ def empty_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     """``torch.empty(shape)`` on ``device``; a CPU pool of at least one huge page is advised onto
     huge pages."""
     tensor = torch.empty(shape, dtype=dtype, device=device)
-    if tensor.device.type == "cpu":
-        advise_huge_pages(tensor)
+    advise_huge_pages(tensor)
     return tensor
 
 
