@@ -422,7 +422,9 @@ def test_add_after_flush_is_an_error(use_stream: bool) -> None:
 def test_builders_cover_the_hard_cases() -> None:
     """The fixtures really split characters across tokens and drop a first token's leading space."""
     for tok in (byte_level_bpe(), byte_fallback_bpe()):
-        ids = encoded(tok, "中文😀👍🏽")
+        # 𝄞 is in no training text: its bytes are tokens of their own whatever the trainer merged
+        # (its ties fall differently from one process to the next).
+        ids = encoded(tok, "中文😀👍🏽𝄞")
         assert any(tok.decode(ids[:k]).endswith(FFFD) for k in range(1, len(ids)))
     tok = metaspace_bpe()
     paris = encoded(tok, "Paris")
