@@ -351,8 +351,8 @@ class PrefillEngine:
         }
 
     def _flush_prefix(self) -> None:
-        """Copies the blocks offered since the last flush into the prefix cache; one that fails is
-        left out of it (the requests it came from are answered already)."""
+        """Copies the blocks offered since the last flush into the prefix cache; one whose copy fails
+        is left out of it (the requests it came from are answered, or failed, already)."""
         if self._prefix is None:
             return
         try:
