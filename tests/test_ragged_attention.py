@@ -19,12 +19,19 @@ from transformers import DynamicCache
 from decode_service.engine import RAGGED_WARM_UP, DecodeEngine
 from decode_service.kv_pool import KvPool
 from decode_service.metrics import DecodeMetrics
+from pdserve.model import decode_attention
 from pdserve.model.ragged_attention import MIN_SAVED, SPLIT_COST, RaggedRows, ragged_attention, split_rows
 from pdserve.model.shared_prefix_attention import enable_ragged_attention
+from tests.cpu_kernels import require_decode_kernel
 from tests.decode_batch import decode_as_one_batch
 from tests.devices import ON_CPU_AND_CUDA
 from tests.engine_models import eager_engine_model
 from tests.test_equivalence import reference_tokens
+
+
+@pytest.fixture(scope="module")
+def decode_kernel(cache_dir: Path) -> None:
+    require_decode_kernel(cache_dir)
 
 
 def test_one_long_row_among_short_ones_is_taken_apart() -> None:
@@ -72,8 +79,12 @@ class _Attention(torch.nn.Module):
         self.is_causal = True
 
 
-@pytest.mark.parametrize("groups", [1, 2])
-def test_ragged_attention_equals_sdpa_over_the_padded_context(groups: int) -> None:
+Case = tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, RaggedRows, torch.Tensor]
+
+
+def _ragged_case(groups: int) -> Case:
+    """The attention module, query, short rows' keys and values, ``RaggedRows`` of a step of 6 short
+    rows and 2 long ones, and sdpa's result over the padded context."""
     generator = torch.Generator().manual_seed(groups)
     lengths = [7, 30, 5, 9, 12, 6, 90, 85]  # the short rows first, then the long ones
     short, kv_heads, width, capacity = 6, 2, 16, 128
@@ -99,14 +110,6 @@ def test_ragged_attention_equals_sdpa_over_the_padded_context(groups: int) -> No
         torch.arange(short, rows),
         [layer],
     )
-    got, _ = ragged_attention(
-        _Attention(groups),
-        query,
-        short_k[:short, :short_length].transpose(1, 2),
-        short_v[:short, :short_length].transpose(1, 2),
-        ragged,
-        scaling=width**-0.5,
-    )
     keys = torch.cat([short_k[:short, :length], long_k[: rows - short, :length]]).transpose(1, 2)
     values = torch.cat([short_v[:short, :length], long_v[: rows - short, :length]]).transpose(1, 2)
     expected = F.scaled_dot_product_attention(
@@ -115,8 +118,50 @@ def test_ragged_attention_equals_sdpa_over_the_padded_context(groups: int) -> No
         values.repeat_interleave(groups, 1),
         attn_mask=allowed[:, None, None, :],
     ).transpose(1, 2)
-    assert got.shape == expected.shape == (rows, 1, kv_heads * groups, width)
+    return (
+        _Attention(groups),
+        query,
+        short_k[:short, :short_length].transpose(1, 2),
+        short_v[:short, :short_length].transpose(1, 2),
+        ragged,
+        expected,
+    )
+
+
+def _attend(
+    module: torch.nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ragged: RaggedRows
+) -> torch.Tensor:
+    out, _ = ragged_attention(module, query, keys, values, ragged, scaling=query.shape[-1] ** -0.5)
+    return out
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_ragged_attention_equals_sdpa_over_the_padded_context(groups: int) -> None:
+    module, query, keys, values, ragged, expected = _ragged_case(groups)
+    got = _attend(module, query, keys, values, ragged)
+    assert got.shape == expected.shape == (len(query), 1, query.shape[1], query.shape[-1])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_compiled_steps_run_the_split_in_their_graph_where_the_operator_applies(
+    decode_kernel: None, groups: int
+) -> None:
+    module, query, keys, values, ragged, expected = _ragged_case(groups)
+    # fullgraph: dynamo raises at a graph break instead of running the split eagerly.
+    compiled = torch.compile(_attend, fullgraph=True, backend="eager", dynamic=True)
+    torch.testing.assert_close(compiled(module, query, keys, values, ragged), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_split_runs_eagerly_under_compile_where_sdpa_runs_it(
+    decode_kernel: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module, query, keys, values, ragged, expected = _ragged_case(2)
+    monkeypatch.setattr(decode_attention._Kernel, "loaded", False)  # as with no C++ compiler
+    explained = torch._dynamo.explain(_attend)(module, query, keys, values, ragged)
+    assert any("torch.compiler.disable" in str(reason.reason) for reason in explained.break_reasons)
+    compiled = torch.compile(_attend, backend="eager", dynamic=True)
+    torch.testing.assert_close(compiled(module, query, keys, values, ragged), expected, rtol=1e-5, atol=1e-6)
 
 
 def _engine_tokens(

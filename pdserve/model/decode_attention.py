@@ -71,6 +71,24 @@ def load(cache_dir: Path) -> bool:
     return _Kernel.loaded
 
 
+def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether the operator computes the attention of ``query`` over ``key``/``value`` under ``mask``
+    (as ``attend_one_query`` takes them)."""
+    if query.device.type != "cpu" or query.dim() != 4 or query.shape[2] != 1 or not is_loaded():
+        return False
+    if (
+        any(t.dtype != torch.float32 for t in (query, key, value))
+        or key.stride(3) != 1
+        or value.stride(3) != 1
+    ):
+        return False
+    if mask is None:
+        return True
+    if mask.dtype != torch.float32 or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
+        return False
+    return bool(mask.shape[3] >= key.shape[2] and mask.shape[0] in (1, query.shape[0]))
+
+
 def attend_one_query(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -83,20 +101,10 @@ def attend_one_query(
     heads, 1, width]`` and ``key``/``value`` ``[rows, kv heads, positions, width]`` float32 on a CPU,
     ``mask`` None or additive float32 ``[rows or 1, 1, 1, >= positions]`` (its first ``positions``).
     None where it does not (the caller runs sdpa)."""
-    if query.device.type != "cpu" or query.dim() != 4 or query.shape[2] != 1 or not is_loaded():
-        return None
-    if (
-        any(t.dtype != torch.float32 for t in (query, key, value))
-        or key.stride(3) != 1
-        or value.stride(3) != 1
-    ):
+    if not applies(query, key, value, mask):
         return None
     positions = key.shape[2]
     if mask is not None:
-        if mask.dtype != torch.float32 or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
-            return None
-        if mask.shape[3] < positions or mask.shape[0] not in (1, query.shape[0]):
-            return None
         mask = mask[..., :positions].expand(query.shape[0], 1, 1, positions)
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
     out, lse = torch.ops.pdserve.decode_attention(query, key, value, mask, scale)
