@@ -20,9 +20,9 @@ Under torch.compile the split attention is part of the step's graph where both c
 decode-attention operator (``decode_attention.applies``: a CPU, float32, the operator built). Where
 either would run sdpa it runs eagerly, a graph break around each layer's attention of such a step
 (inductor's lowering of the CPU flash kernel fails on the tiers' symbolic strides once grouped-query
-heads are repeated); the rest of the step stays compiled. Each graph break costs a step of the
-reference model about 1 ms per layer (16 short rows and a long one: 8.5-12 ms with the breaks against
-5.3 ms for the 16 short rows alone).
+heads are repeated); the rest of the step stays compiled. The breaks cost a step of the reference
+model on one CPU core about 2 ms (16 short rows and a long one: 7.8-8.4 ms with them, 6.0 ms in one
+graph; 16 short rows alone 4.8-5.3 ms).
 """
 
 from __future__ import annotations
