@@ -104,6 +104,46 @@ def test_it_equals_sdpa_over_a_batch_context_view(
     torch.testing.assert_close(got[1], reference_lse(query, key, used, scale), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("left_out", [float("-inf"), torch.finfo(torch.float32).min])
+def test_the_positions_a_row_does_not_attend_to_are_not_read(kernel: None, left_out: float) -> None:
+    """A batch context's positions past a row's length hold whatever was there: NaN and inf included."""
+    generator = torch.Generator().manual_seed(7)
+    rows, positions = 4, 40
+    key = torch.randn(rows, 2, positions, 16, generator=generator)
+    value = torch.randn(rows, 2, positions, 32, generator=generator)
+    query = torch.randn(rows, 4, 1, 16, generator=generator)
+    lengths = torch.tensor([1, 17, 39, 40])
+    beyond = torch.arange(positions)[None, :] >= lengths[:, None]
+    mask = torch.zeros(rows, 1, 1, positions).masked_fill_(beyond[:, None, None, :], left_out)
+    clean_key, clean_value = key.clone(), value.clone()
+    garbage = beyond[:, None, :, None]
+    key.masked_fill_(garbage & (torch.arange(16) % 2 == 0), float("nan"))
+    key.masked_fill_(garbage & (torch.arange(16) % 2 == 1), float("inf"))
+    value.masked_fill_(garbage, float("nan"))
+    got = attend_one_query(query, key, value, mask, 0.25)
+    assert got is not None
+    finite_mask = mask.clamp(min=torch.finfo(torch.float32).min)
+    torch.testing.assert_close(
+        got[0], reference(query, clean_key, clean_value, finite_mask, 0.25), rtol=1e-5, atol=1e-5
+    )
+    torch.testing.assert_close(
+        got[1], reference_lse(query, clean_key, finite_mask, 0.25), rtol=1e-5, atol=1e-5
+    )
+    # Where garbage is finite, skipping it changes no bit of what reading it gave.
+    assert torch.equal(got[0], attended(query, clean_key, clean_value, mask, 0.25))
+
+
+def test_a_row_its_mask_leaves_out_everywhere_weighs_its_positions_alike(kernel: None) -> None:
+    """As sdpa with transformers' lowest-float masks: every score is the lowest float, so the weights
+    are equal (nothing is left to skip)."""
+    query, key, value = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    mask = torch.zeros(2, 1, 1, 5)
+    mask[1] = torch.finfo(torch.float32).min
+    got = attended(query, key, value, mask, 0.5)
+    torch.testing.assert_close(got[1, 0], value[1].mean(1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:1], reference(query[:1], key[:1], value[:1], mask[:1], 0.5))
+
+
 def test_one_mask_row_serves_every_row(kernel: None) -> None:
     query, key, value = torch.randn(3, 2, 1, 8), torch.randn(3, 2, 6, 8), torch.randn(3, 2, 6, 8)
     mask = torch.zeros(1, 1, 1, 6)

@@ -21,6 +21,11 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+// A head's best score above which a position its mask leaves out weighs exactly 0 in the full
+// computation too: that position's score is -inf or about the lowest float (unless its product of
+// query and key nears float's maximum), and exp of anything under -1e38 is 0 in float32.
+constexpr float kLowestWeighed = -1e30f;
+
 inline void add_scaled(float* out, const float* x, float scale, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] += scale * x[i];
@@ -69,38 +74,56 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& query, con
   const float minus_inf = -std::numeric_limits<float>::infinity();
   const float score_scale = static_cast<float>(scale);
 
+  // Where a row attends to some positions, those its mask leaves out (-inf, or the lowest float as
+  // transformers' masks have it) weigh exactly 0 (their exponentials underflow), so only the others
+  // are read: a batch context's padding past a row's length, and whatever lies there, is not.
+  const auto masked_out = [&](float bias) {
+    return bias == minus_inf || bias == std::numeric_limits<float>::lowest();
+  };
+
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(heads * positions);
     std::vector<float> maxima(heads), sums(heads);
-    for (int64_t row = begin; row < end; ++row) {
+    std::vector<int64_t> live;
+    live.reserve(positions);
+
+    // Scores of the ``count`` positions ``at(i)``, softmax, and the weighted values; false (nothing
+    // written) where ``check`` finds a head whose best score leaves the skipped positions a weight.
+    const auto attend = [&](int64_t row, int64_t count, auto at, bool check) {
       const float* qr = q_data + row * heads * width;
       std::fill(maxima.begin(), maxima.end(), minus_inf);
       // Keys, position by position (every head of a position lies together in a batch context).
-      for (int64_t p = 0; p < positions; ++p) {
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t p = at(i);
         const float bias = mask_data ? mask_data[row * mask_row + p * mask_position] : 0.f;
         for (int64_t kh = 0; kh < kv_heads; ++kh) {
           const float* kp = k_data + row * ks0 + kh * ks1 + p * ks2;
           for (int64_t g = 0; g < group; ++g) {
             const int64_t h = kh * group + g;
             const float s = dot(qr + h * width, kp, width) * score_scale + bias;
-            scores[h * positions + p] = s;
+            scores[h * count + i] = s;
             maxima[h] = std::max(maxima[h], s);
           }
         }
       }
+      if (check) {
+        for (int64_t h = 0; h < heads; ++h) {
+          if (!(maxima[h] > kLowestWeighed)) return false;
+        }
+      }
       for (int64_t h = 0; h < heads; ++h) {
-        float* sh = scores.data() + h * positions;
+        float* sh = scores.data() + h * count;
         const float m = maxima[h];
         float sum = 0.f;
         if (m != minus_inf) {
 #pragma omp simd reduction(+ : sum)
-          for (int64_t p = 0; p < positions; ++p) {
-            const float e = std::exp(sh[p] - m);
-            sh[p] = e;
+          for (int64_t i = 0; i < count; ++i) {
+            const float e = std::exp(sh[i] - m);
+            sh[i] = e;
             sum += e;
           }
         } else {
-          std::fill(sh, sh + positions, 0.f);
+          std::fill(sh, sh + count, 0.f);
         }
         sums[h] = sum;
         lse_data[row * heads + h] = m == minus_inf ? minus_inf : m + std::log(sum);
@@ -108,12 +131,13 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& query, con
       float* orow = out_data + row * heads * value_width;
       std::fill(orow, orow + heads * value_width, 0.f);
       // Values, position by position.
-      for (int64_t p = 0; p < positions; ++p) {
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t p = at(i);
         for (int64_t kh = 0; kh < kv_heads; ++kh) {
           const float* vp = v_data + row * vs0 + kh * vs1 + p * vs2;
           for (int64_t g = 0; g < group; ++g) {
             const int64_t h = kh * group + g;
-            add_scaled(orow + h * value_width, vp, scores[h * positions + p], value_width);
+            add_scaled(orow + h * value_width, vp, scores[h * count + i], value_width);
           }
         }
       }
@@ -122,6 +146,22 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& query, con
         float* oh = orow + h * value_width;
         for (int64_t i = 0; i < value_width; ++i) oh[i] *= inverse;
       }
+      return true;
+    };
+
+    for (int64_t row = begin; row < end; ++row) {
+      live.clear();
+      if (mask_data) {
+        for (int64_t p = 0; p < positions; ++p) {
+          if (!masked_out(mask_data[row * mask_row + p * mask_position])) live.push_back(p);
+        }
+      }
+      const int64_t count = static_cast<int64_t>(live.size());
+      if (count > 0 && count < positions &&
+          attend(row, count, [&](int64_t i) { return live[i]; }, true)) {
+        continue;
+      }
+      attend(row, positions, [](int64_t i) { return i; }, false);
     }
   });
   return {out, lse};

@@ -14,6 +14,12 @@ step of 32 rows spent a third of its time there (``perf``: ``mkl_blas_def_xsgemv
 position by position, every head of a position together, as they lie in memory: 2.9 ms for the
 same four layers. Scores, softmax and sums are float32, as sdpa's; results equal sdpa's to float
 rounding (the sums run in another order). Grouped-query heads share their key and value head.
+Positions a row's mask leaves out (-inf, or the lowest float as transformers' masks have them) are
+not read where the row attends to any other: their weight is exactly 0, so the result is the same
+to the bit, whatever lies there. A batch context holds its rows up to the longest one's length, so
+a step of rows of different lengths reads only each row's own positions: 16 rows of 64 to 184
+positions (a context 185 wide), one layer of the reference model, 0.44-0.45 ms against 0.64-0.70 ms
+reading every position.
 
 The operator is C++ built with the machine's compiler when the engine loads its model (``load``,
 through ``pdserve.model.cpu_kernel``: a few seconds, then cached under the cache directory),
