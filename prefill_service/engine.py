@@ -10,7 +10,8 @@ Lifecycle of a request here:
    into chunks of it and goes to the back of the line after each, so prompts behind it run
    between its chunks) and runs one forward per group of rows with KV of one length
    (``prompt_forward``: fresh for whole prompts without a cache hit, ``logits_to_keep=1``: every
-   row's last position is its chunk's last token); after each forward the full blocks of its
+   row's last position is its chunk's last token), a group split into forwards of the size that
+   the line's tokens call for (``forward_size``); after each forward the full blocks of its
    prompts are offered to the prefix cache;
 4. when its last chunk has run, a prompt's first token is sampled from that forward's logits at
    step 0, or, for a resumed request (its prompt ends with the ``num_generated`` tokens it had
@@ -34,7 +35,8 @@ The servicer bounds the queue (``num_waiting``).
 
 ``warm_up`` (``--compile``, before the service is ready) runs this same path on dummy prompts,
 alone and batched with padding, then over a cached prefix, on the engine thread; its results are
-dropped and the prefix cache is emptied of what it cached.
+dropped and the prefix cache is emptied of what it cached. ``calibrate`` (at start, after it)
+times forwards of two sizes for the fixed cost that sizes forwards by the queue.
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +63,7 @@ from pdserve.model.engine_model import EngineModel
 from pdserve.model.warm_up import WarmUp
 from prefill_service.chunk_schedule import Group, schedule, split
 from prefill_service.first_choices import FirstToken, continues, first_tokens, with_grammar
+from prefill_service.forward_size import ForwardSize, fixed_tokens, queued_tokens
 from prefill_service.kv_space import KvSpace, ParkedBuffer
 from prefill_service.prefix_cache import LayerKv, PrefixCache, reuse_problem
 from prefill_service.prompt_forward import (
@@ -87,6 +91,18 @@ WARM_UP_BATCHES: tuple[tuple[int, ...], ...] = ((7,), (12,), (1,), (9, 5), (6, 1
 # blocks (the first one caches it), alone and batched with padding (with the shared-prefix attention,
 # rows over one cached prefix); then rows over two different ones, and a prompt cut into chunks.
 WARM_UP_CACHED: tuple[tuple[int, ...], ...] = ((3,), (5,), (1,), (2, 6), (4, 4))
+
+
+# Forwards of each size timed to measure a forward's fixed cost (``PrefillEngine.calibrate``).
+CALIBRATION_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class _Task:
+    """Work the engine thread runs between its steps, once its line is empty (a warm-up)."""
+
+    done: WarmUp
+    work: Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -131,26 +147,27 @@ class PrefillEngine:
         max_batch_tokens: int = 8192,
         prefix_cache: PrefixCache | None = None,
         shared_prefix: bool = False,
-        max_forward_tokens: int = 0,
+        forward_size: ForwardSize | None = None,
     ) -> None:
         """``kv_space``: where KV is parked (a device: private memory there, moved over gloo).
         ``max_batch_tokens``: the token budget of a step. ``prefix_cache``: None, no prefix reuse.
         ``shared_prefix``: the model runs ``shared_prefix_attention`` (rows over one cached prefix
-        attend to it once). ``max_forward_tokens``: most tokens of prompts one forward runs
-        together, answered when it ends (``chunk_schedule.split``; 0: the whole budget)."""
+        attend to it once). ``forward_size``: most tokens of prompts one forward runs together,
+        answered when it ends (``chunk_schedule.split``; None: the whole budget); one that follows
+        the queue with its fixed cost unknown (0) has it measured by ``calibrate``."""
         self._m = engine_model
         if isinstance(kv_space, torch.device):
             kv_space = KvSpace(GLOO, Place("", str(kv_space)), kv_space)
         self._space = kv_space
         self._max_batch_tokens = max_batch_tokens
-        self._max_forward_tokens = max_forward_tokens or max_batch_tokens
+        self._forward = forward_size or ForwardSize(max_batch_tokens, max_batch_tokens)
         self._prefix = prefix_cache
         self._whole = reuse_problem(engine_model.model) is None  # forwards over PromptLayers
         self._scratch = ForwardScratch(engine_model.device)  # their memory, kept (engine thread only)
         self._shared_prefix = shared_prefix
         self.num_shared_prefix_forwards = 0  # forwards that read their rows' one cached prefix once
-        self._queue: queue.SimpleQueue[_Pending | WarmUp | None] = queue.SimpleQueue()
-        self._held: WarmUp | None = None
+        self._queue: queue.SimpleQueue[_Pending | _Task | None] = queue.SimpleQueue()
+        self._held: _Task | None = None
         self._line: list[PromptJob] = []  # admitted requests, in the order they are served
         self._closing = False
         self._num_waiting = 0
@@ -202,23 +219,44 @@ class PrefillEngine:
     def prefix_cache(self) -> PrefixCache | None:
         return self._prefix
 
+    @property
+    def forward_size(self) -> ForwardSize:
+        return self._forward
+
     def warm_up(self) -> float:
         """Runs the prefill forwards of ``WARM_UP_BATCHES`` (and ``WARM_UP_CACHED`` with a prefix
         cache) on dummy prompts on the engine thread, as requests run; blocks until done and
         returns its duration in seconds."""
-        request = WarmUp()
-        self._queue.put(request)
-        seconds = request.wait()
+        seconds = self._run_task(self._warm_up)
         logger.info("prefill warm-up: %s forwards in %.2f s", len(WARM_UP_BATCHES), seconds)
         return seconds
+
+    def calibrate(self) -> ForwardSize:
+        """Where the forward size follows the queue and its fixed cost is not known yet: measures it
+        on the engine thread (``forward_size.fixed_tokens``; blocks until done). Returns the size."""
+        if self._forward.follows_queue and not self._forward.fixed_tokens:
+            seconds = self._run_task(self._measure_fixed_tokens)
+            logger.info(
+                "prefill forwards of %d to %d tokens by the queue: fixed cost %.1f tokens (measured in %.2f s)",
+                self._forward.least,
+                self._forward.most,
+                self._forward.fixed_tokens,
+                seconds,
+            )
+        return self._forward
+
+    def _run_task(self, work: Callable[[], None]) -> float:
+        task = _Task(WarmUp(), work)
+        self._queue.put(task)
+        return task.done.wait()
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
         while not self._queue.empty():
             item = self._queue.get_nowait()
-            if isinstance(item, WarmUp):
-                item.abandon("the prefill engine is closed")
+            if isinstance(item, _Task):
+                item.done.abandon("the prefill engine is closed")
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
@@ -229,8 +267,8 @@ class PrefillEngine:
             if self._closing and not self._line:
                 return
             if not self._line and self._held is not None:
-                warm_up, self._held = self._held, None
-                warm_up.run(self._warm_up)
+                task, self._held = self._held, None
+                task.done.run(task.work)
                 continue
             self._step(self._line)
 
@@ -247,7 +285,7 @@ class PrefillEngine:
                 for job in self._line:  # a close ends the line too: nothing more runs
                     self._fail(job, RuntimeError("the prefill engine is closed"))
                 self._line.clear()
-            elif isinstance(item, WarmUp):
+            elif isinstance(item, _Task):
                 self._held = item
             else:
                 self._line.append(PromptJob(item.prompt_token_ids, item.params, item.num_generated, item))
@@ -263,10 +301,11 @@ class PrefillEngine:
             ready.append(job)
         if not ready:
             return
+        most = self._forward_tokens(line)
         groups = [
             part
             for group in schedule([(job.done, job.remaining) for job in ready], self._max_batch_tokens)
-            for part in split(group, self._max_forward_tokens)
+            for part in split(group, most)
         ]
         cut: list[PromptJob] = []
         for group in groups:
@@ -292,6 +331,14 @@ class PrefillEngine:
         for job in cut:
             line.remove(job)
             line.append(job)
+
+    def _forward_tokens(self, line: list[PromptJob]) -> int:
+        """Most tokens of the step's forwards, for the tokens ``line`` has to run."""
+        if not self._forward.follows_queue:
+            return self._forward.least
+        begun = [(len(job.token_ids), job.cached_tokens, job.remaining) for job in line if job.begun]
+        not_begun = [len(job.token_ids) for job in line if not job.begun]
+        return self._forward.tokens_for(queued_tokens(begun, not_begun))
 
     def _begin(self, line: list[PromptJob]) -> None:
         """Begins prompts at the head of ``line`` until their tokens to run fill the budget: each
@@ -458,6 +505,24 @@ class PrefillEngine:
                 self._step(line)
         if self._prefix is not None:
             self._prefix.clear()
+
+    def _measure_fixed_tokens(self) -> None:
+        """Times forwards of rows of one length, ``least`` tokens and up to ``most`` (the fastest of
+        ``CALIBRATION_ROUNDS`` each, alternating), and keeps their fixed cost in tokens."""
+        least, most = self._forward.least, self._forward.most
+        row = max(1, min(least // 2, self._m.limits.max_model_len - 1))
+        small = max(1, least // row)
+        sizes = (small, max(small + 1, most // row))
+        vocab_size = self._m.limits.vocab_size
+        best = [math.inf, math.inf]
+        for round_ in range(CALIBRATION_ROUNDS):
+            for i, rows in enumerate(sizes):
+                prompts = [[(97 * round_ + 31 * r + t) % vocab_size for t in range(row)] for r in range(rows)]
+                started = time.perf_counter()
+                run_forward(self._m, None, prompts, 1, self._whole, self._scratch)
+                best[i] = min(best[i], time.perf_counter() - started)
+        measured = fixed_tokens((sizes[0] * row, best[0]), (sizes[1] * row, best[1]), most)
+        self._forward = dataclasses.replace(self._forward, fixed_tokens=measured)
 
     def _token_text(self, token: int) -> str:
         text: str = self._m.tokenizer.decode([token], skip_special_tokens=True)

@@ -184,6 +184,12 @@ class PrefillMetrics:
             "Duration of the start-up warm-up of the compiled forwards (0: none ran)",
             registry=registry,
         )
+        self.forward_fixed_tokens = Gauge(
+            "pdserve_prefill_forward_fixed_tokens",
+            "A prefill forward's fixed cost in tokens of its per-token cost, measured at start; forwards "
+            "follow the queue at the square root of its tokens times this (0: a fixed size)",
+            registry=registry,
+        )
 
     def track_queue(self, num_waiting: Callable[[], int], num_running: Callable[[], int]) -> None:
         self.waiting.set_function(num_waiting)

@@ -35,6 +35,7 @@ from pdserve.model.shared_prefix_attention import enable_shared_prefix_attention
 from pdserve.rpc.server import ServiceServer
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from prefill_service.engine import PrefillEngine
+from prefill_service.forward_size import ForwardSize
 from prefill_service.kv_lender import KvLender
 from prefill_service.kv_registry import KvRegistry
 from prefill_service.kv_sender import KvSender
@@ -147,9 +148,11 @@ class PrefillParts:
         await expire_leases(self.registry, self.lender, self.metrics)
 
     def warm_up(self) -> None:
-        """Compiled forwards (``--compile``): runs them once on dummy prompts; nothing otherwise."""
+        """Compiled forwards (``--compile``): runs them once on dummy prompts; then measures a
+        forward's fixed cost where the forward size follows the queue."""
         if self.engine_model.compiled:
             self.metrics.warmup_seconds.set(self.engine_model.warm_up(self.engine.warm_up))
+        self.metrics.forward_fixed_tokens.set(self.engine.calibrate().fixed_tokens)
 
     def close(self) -> None:
         self.sender.close()
@@ -184,7 +187,12 @@ def build_prefill(
         engine_model.model, config.engine.no_shared_prefix_attention, "prefill"
     )
     engine = PrefillEngine(
-        engine_model, space, config.batch_tokens, prefix_cache, shared_prefix, config.forward_tokens
+        engine_model,
+        space,
+        config.batch_tokens,
+        prefix_cache,
+        shared_prefix,
+        ForwardSize(*config.forward_tokens),
     )
     metrics.track_queue(lambda: engine.num_waiting, lambda: engine.num_running)
     issuer = HandleIssuer(

@@ -49,6 +49,8 @@ def test_compiled_engines_match_generate(cache_dir: Path, tmp_path: Path, refere
         prefill_metrics = scrape(stack.prefills[0].metrics)
         decode_metrics = scrape(stack.decodes[0].metrics)
         assert prefill_metrics["pdserve_prefill_warmup_seconds"] > 0
+        # Its forwards follow the queue (CPU), their fixed cost measured after the warm-up.
+        assert 0 < prefill_metrics["pdserve_prefill_forward_fixed_tokens"] <= 512
         assert decode_metrics["pdserve_decode_warmup_seconds"] > 0
         # The warm-up's steps are not counted as served work.
         assert decode_metrics["pdserve_decode_steps_total"] == 0

@@ -146,11 +146,13 @@ def test_the_prefill_token_budget_follows_the_device_unless_set() -> None:
     assert colocated.prefill_config().batch_tokens == CUDA_BATCH_TOKENS
 
 
-def test_a_cpu_prefill_runs_forwards_of_128_tokens_at_most_unless_set() -> None:
-    assert PrefillConfig().forward_tokens == 128
-    assert PrefillConfig(max_batch_tokens=64).forward_tokens == 64  # never more than the budget
-    assert PrefillConfig(max_forward_tokens=300).forward_tokens == 300
-    assert PrefillConfig(engine=EngineConfig(device="cuda")).forward_tokens == 8192  # no split
+def test_a_cpu_prefill_sizes_forwards_by_the_queue_from_128_tokens_to_the_budget_unless_set() -> None:
+    assert PrefillConfig().forward_tokens == (128, CPU_BATCH_TOKENS)
+    assert PrefillConfig(max_batch_tokens=64).forward_tokens == (64, 64)  # never more than the budget
+    assert PrefillConfig(max_batch_tokens=1000).forward_tokens == (128, 1000)
+    assert PrefillConfig(max_forward_tokens=300).forward_tokens == (300, 300)  # set: a fixed size
+    assert PrefillConfig(max_forward_tokens=4096).forward_tokens == (CPU_BATCH_TOKENS, CPU_BATCH_TOKENS)
+    assert PrefillConfig(engine=EngineConfig(device="cuda")).forward_tokens == (8192, 8192)  # no split
     with pytest.raises(ValueError, match=r"^max_forward_tokens must be >= 0 \(0: by device\), got -2$"):
         PrefillConfig(max_forward_tokens=-2)
 

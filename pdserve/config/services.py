@@ -240,9 +240,10 @@ class ServerConfig:
 # little extra time.
 CPU_BATCH_TOKENS = 512
 CUDA_BATCH_TOKENS = 8192
-# Most tokens of prompts one CPU prefill forward runs together: the prompts of a step's batch run in
-# forwards of this size one after another, each answered when its forward ends, so the first of a
-# burst do not wait for the last (a long prompt's chunk of the whole budget still runs alone). On
+# Least tokens of prompts one CPU prefill forward runs together: the prompts of a step's batch run in
+# forwards one after another, each answered when its forward ends, so the first of a burst do not
+# wait for the last (a long prompt's chunk of the whole budget still runs alone). A forward's size
+# follows the queue, from this many tokens up to the budget (``prefill_service.forward_size``). On
 # CUDA a forward of the whole budget takes little longer than a small one: no split.
 CPU_FORWARD_TOKENS = 128
 MAX_BATCH_TOKENS_HELP = (
@@ -294,7 +295,9 @@ class PrefillSettings:
         metadata={
             "help": "most tokens of prompts one prefill forward runs together (rows x longest "
             "chunk); a step's prompts beyond run in the forwards after it, each answered when its "
-            f"forward ends; 0: {CPU_FORWARD_TOKENS} on CPU, the whole token budget on CUDA"
+            f"forward ends; 0: on CPU from {CPU_FORWARD_TOKENS} up to the token budget, following the "
+            "queue (the square root of its tokens times a forward's fixed cost, measured at start), "
+            "on CUDA the whole token budget"
         },
     )
     kv_shm_bytes: int = field(
@@ -353,11 +356,16 @@ class PrefillSettings:
             return self.max_batch_tokens
         return CPU_BATCH_TOKENS if device == "cpu" else CUDA_BATCH_TOKENS
 
-    def forward_tokens_on(self, device: str) -> int:
-        """Most tokens of prompts one forward runs together on ``device`` (never more than the budget)."""
-        most = self.max_forward_tokens or (CPU_FORWARD_TOKENS if device == "cpu" else 0)
+    def forward_tokens_on(self, device: str) -> tuple[int, int]:
+        """The least and most tokens of prompts one forward runs together on ``device`` (never more
+        than the budget; the size follows the queue between them)."""
         budget = self.batch_tokens_on(device)
-        return min(most, budget) if most else budget
+        if self.max_forward_tokens:
+            fixed = min(self.max_forward_tokens, budget)
+            return fixed, fixed
+        if device == "cpu":
+            return min(CPU_FORWARD_TOKENS, budget), budget
+        return budget, budget
 
 
 @dataclass(frozen=True)
@@ -426,8 +434,8 @@ class PrefillConfig(PrefillSettings, EngineService):
         return self.batch_tokens_on(self.engine.device)
 
     @property
-    def forward_tokens(self) -> int:
-        """Most tokens of prompts one prefill forward runs together."""
+    def forward_tokens(self) -> tuple[int, int]:
+        """The least and most tokens of prompts one prefill forward runs together."""
         return self.forward_tokens_on(self.engine.device)
 
 
