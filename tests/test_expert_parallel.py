@@ -75,6 +75,9 @@ def test_disaggregated_ep_groups_match_generate(ep_stack: Stack, reference_model
     model, _ = reference_models(MODEL)
     prefill, ep_decode, plain_decode = ep_stack.prefills[0], ep_stack.decodes[0], ep_stack.decodes[1]
     assert len(prefill.ready["ranks"]) == 2 and len(ep_decode.ready["ranks"]) == 2
+    # Each prefill rank measured its forwards' fixed cost at start, in step with the other (on a
+    # CPU the forward size follows the queue).
+    assert all(scrape(a)["pdserve_prefill_forward_fixed_tokens"] > 0 for a in prefill.rank_metrics)
     assert len(set(prefill.rank_pids)) == 2 and "ranks" not in plain_decode.ready
     lengths = [1, 2, 5, 9, 17, 33, 60, 3, 12, 25, 7, 44]
     max_tokens = [24, 1, 16, 8, 20, 5, 12, 24, 2, 18, 9, 14]

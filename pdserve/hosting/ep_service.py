@@ -11,10 +11,12 @@ together (``expert_parallel.deepep_setup``): DeepEP's kernels when they import, 
 pass a start-up round trip, the all-to-all otherwise. A DeepEP start-up error ends every rank with
 exit status 2 before the group reports ready.
 
-With ``--compile`` every rank warms up its engines once the lockstep runs, before rank 0 announces
-ready (it waits for every rank's mark). Each warm-up forward is one of the rank's forwards at a
-tick of the group; a rank with none of its own at that tick runs the filler, so the ranks stay in
-step whatever each of them runs.
+Every rank warms up its engines once the lockstep runs, before rank 0 announces ready (it waits for
+every rank's mark): with ``--compile`` their forwards compile, and a prefill on the CPU times the
+forwards that measure its forward size's fixed cost (``prefill_service/forward_size.py``; in the
+group, what a forward waits for the other ranks counts in it). Each of these forwards is one of the
+rank's forwards at a tick of the group; a rank with none of its own at that tick runs the filler,
+so the ranks stay in step whatever each of them runs.
 
 Ends:
 - SIGTERM/SIGINT on rank 0: the public server drains (calls in flight, on any rank, finish), then
@@ -186,8 +188,8 @@ class _RankRun:
 
     async def join_group(self) -> None:
         """Every rank published, the process group formed, the dispatch chosen, the lockstep
-        running, (``--compile``) every rank warm, and its start-up heap out of the garbage
-        collector."""
+        running, every rank warm (compiled with ``--compile``, a prefill's forward size measured),
+        and its start-up heap out of the garbage collector."""
         group = self.group
         group.publish(self.info)
         if group.rank == 0:
@@ -202,9 +204,8 @@ class _RankRun:
             raise SystemExit(2) from None
         self.lockstep.start()
         logger.info("expert-parallel rank %d of %d in step", group.rank, group.size)
-        if self.rank_model.engine_model.compiled:
-            await _warm_up(self.parts, group, self.lockstep, self.stop)
-            self.rank_model.engine_model.end_warm_ups(self.config.engine.recompile_in_serving)
+        await _warm_up(self.parts, group, self.lockstep, self.stop)
+        self.rank_model.engine_model.end_warm_ups(self.config.engine.recompile_in_serving)
         freeze_heap(f"{self.kind.command} rank {group.rank}")
 
     async def serve_public(self) -> None:
