@@ -574,6 +574,8 @@ def _expired(pending: _Pending) -> bool:
 def _set_result(future: asyncio.Future[PrefillResult], result: PrefillResult) -> None:
     if not future.done():
         future.set_result(result)
+    elif result.kv is not None:  # its caller is gone (cancelled): nothing will park the KV
+        result.kv.free()
 
 
 def _set_exception(future: asyncio.Future[PrefillResult], exc: BaseException) -> None:
