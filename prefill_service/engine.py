@@ -203,7 +203,15 @@ class PrefillEngine:
                 grammar=grammar,
             )
         )
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # Cancelled once its result was in: nothing will park the KV it holds.
+            if future.done() and not future.cancelled() and future.exception() is None:
+                kv = future.result().kv
+                if kv is not None:
+                    kv.free()
+            raise
 
     @property
     def num_waiting(self) -> int:
