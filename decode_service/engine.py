@@ -50,9 +50,12 @@ logger = logging.getLogger(__name__)
 WARM_UP_BATCHES: tuple[tuple[int, ...], ...] = ((7,), (9, 4), (6, 13, 3), (21,), (20, 18))
 WARM_UP_STEPS = 3
 # When steps may split rows by length (``ragged``), batches of short rows with one long row, then two,
-# whose steps split; the long rows' lengths at most (within the model's context length).
+# whose steps split; the long rows' lengths at most (within the model's context length). The first
+# batch's short rows attend over 9 positions and more, never the long tier's 8 first allocated rows
+# (``MIN_ROWS``): sizes equal at a compilation are one size to its code, which the next step, where
+# they differ, would compile again.
 RAGGED_WARM_UP: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (
-    ((2, 3, 4, 5, 6, 7), (600,)),
+    ((2, 3, 4, 5, 6, 8), (600,)),
     ((2, 3, 4, 5, 6, 7, 3, 4, 5, 6), (600, 590)),
 )
 # The batch context allocated at start-up: rows of this many positions, one per request the engine

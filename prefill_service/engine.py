@@ -83,9 +83,9 @@ class DeadlineExpired(Exception):
     """The request's deadline passed before its forward."""
 
 
-# The prompt lengths of each warm-up forward: one prompt, then padded batches, so that every shape
-# class a request can bring is compiled once, with its sizes dynamic (a size of 1 is a class of its
-# own: one-token prompts).
+# The prompt lengths of each warm-up forward: one prompt, then batches, so that every shape class a
+# request can bring is compiled once, with its sizes dynamic (a lone one-token prompt is a class of its
+# own; batches of any size, padded or not, one token a row or more, are one class: ``run_forward``).
 WARM_UP_BATCHES: tuple[tuple[int, ...], ...] = ((7,), (12,), (1,), (9, 5), (6, 14, 3), (1, 1), (4, 4))
 # With a prefix cache, then: the lengths of the new tokens of prompts over a cached prefix of two
 # blocks (the first one caches it), alone and batched with padding (with the shared-prefix attention,

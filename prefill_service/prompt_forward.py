@@ -35,6 +35,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from pdserve.kv.layout import KvLayout, unpack
+from pdserve.model.compiled_forward import static_dims
 from pdserve.model.engine_model import EngineModel
 from pdserve.model.shared_prefix_attention import SharedPrefix
 from prefill_service.prefix_cache import LayerKv
@@ -196,8 +197,9 @@ def run_forward(
     length; None: no past). ``keep`` > 1: the logits of the last ``keep`` positions are kept too
     (a request's prompt logprobs). ``whole``: the model's cache layers are plain (``laid_out_whole``)."""
     lengths = [len(c) for c in chunks]
-    longest = max(lengths)
     rows = len(chunks)
+    # Rows of one new token each are padded to two: a length of 1 would be a compiled shape class of its own.
+    longest = max(*lengths, 2 if rows > 1 else 1)
     padding = [longest - n for n in lengths]
     input_ids = torch.zeros((rows, longest), dtype=torch.long)
     mask = torch.zeros((rows, longest), dtype=torch.long)
@@ -263,7 +265,7 @@ def _prompt_cache(
     """The forward's cache of ``PromptLayer``s, each row's past copied in after its padding."""
     rows = len(padding)
     slots = None
-    if any(padding):
+    if rows > 1:  # written by index even where no row is padded: one compiled shape class for batches
         # A padding position is written where the row's own padding is (masked); a real one after the past.
         positions = torch.arange(longest)[None].expand(rows, longest)
         slots = torch.where(positions < torch.tensor(padding)[:, None], positions, positions + past).to(
@@ -280,8 +282,9 @@ def _prompt_cache(
         return scratch.tensor(layer, part, shape, layout.dtype, total)
 
     for i, ((kh, kw), (vh, vw)) in enumerate(zip(layout.keys, layout.values, strict=True)):
-        keys = memory(i, "keys", (rows, kh, past + longest, kw))
-        values = memory(i, "values", (rows, vh, past + longest, vw))
+        # Heads and width: the model's (``static_dims``; a dynamic head count would tie the rows to it).
+        keys = static_dims(memory(i, "keys", (rows, kh, past + longest, kw)), 1, 3)
+        values = static_dims(memory(i, "values", (rows, vh, past + longest, vw)), 1, 3)
         if pasts is not None:
             for row, row_past in enumerate(pasts):
                 pad = padding[row]

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 CACHE_SUBDIR = "torch-compile"
 REASON_CHARS = 300
-# Shape classes an engine compiles in its warm-up (prefill: alone, batched, padded, over one cached
+# Shape classes an engine compiles in its warm-up (prefill: alone, batched, over one cached
 # prefix or each its own, a chunk's continuation...; decode: one row, several, a shared prefix) are
 # more than dynamo's default limit of 8 per frame, past which it runs the frame eagerly. Dynamo's
 # settings are per thread: each thread that calls the forward raises it for itself.
