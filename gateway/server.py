@@ -31,7 +31,7 @@ from pdserve.config import GatewayConfig
 from pdserve.core.heap import freeze_heap
 from pdserve.core.limits import ModelLimits
 from pdserve.hosting.metrics_server import MetricsServer
-from pdserve.model.engine_model import eos_token_ids
+from pdserve.model.eos_tokens import eos_token_ids
 from pdserve.model.source import resolve_model_dir
 from pdserve.rpc.server import ServiceServer, announce_ready, wait_for_stop_signal
 from pdserve.rpc.service_security import internal_client, public_server_security

@@ -98,6 +98,7 @@ def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
 def load_reference_model(args: argparse.Namespace) -> Any:
     from transformers import AutoModelForCausalLM
 
+    import pdserve.model.deepseek_moe.modeling  # noqa: F401  (registers the DeepSeekMoE models)
     from pdserve.model.source import resolve_model_dir
 
     path = resolve_model_dir(args.model, args.cache_dir or None)

@@ -98,6 +98,7 @@ def leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
 def reference_models(cache_dir: Path) -> Callable[[str], tuple[Any, Any]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import pdserve.model.deepseek_moe.modeling  # noqa: F401  (registers the DeepSeekMoE models)
     from pdserve.model.source import resolve_model_dir
 
     loaded: dict[str, tuple[Any, Any]] = {}

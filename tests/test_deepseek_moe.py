@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, batched_mm_experts_forward
 
-from pdserve.model.deepseek_moe import DeepseekMoeConfig, DeepseekMoeForCausalLM
+from pdserve.model.deepseek_moe import DeepseekMoeConfig
+from pdserve.model.deepseek_moe.modeling import DeepseekMoeForCausalLM
 from pdserve.model.deepseek_moe.random_checkpoint import (
     INDEX_FILE,
     SEED,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -12,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-import pdserve.model.deepseek_moe  # noqa: F401  (registers model_type "deepseek" with transformers)
+import pdserve.model.deepseek_moe.modeling  # noqa: F401  (registers the DeepSeekMoE models with transformers)
 from pdserve.config import EngineConfig
 from pdserve.core.limits import ModelLimits
 from pdserve.kv.layout import KvLayout
@@ -27,6 +26,7 @@ from pdserve.model.compiled_forward import (
     use_compile_cache,
     warm_up_or_fall_back,
 )
+from pdserve.model.eos_tokens import eos_token_ids
 from pdserve.model.linear_layout import apply_linear_layout, choose_linear_layout
 from pdserve.model.packed_linear import can_pack_linear_weights
 from pdserve.model.source import default_cache_dir, resolve_model_dir
@@ -90,21 +90,6 @@ def resolve_dtype(name: str, device: torch.device, config: Any) -> torch.dtype:
         resolved: torch.dtype = getattr(torch, configured)
         return resolved
     return torch.bfloat16
-
-
-def eos_token_ids(model_dir: Path, config: Any) -> frozenset[int]:
-    """EOS ids from generation_config.json when present, else from config.json."""
-    ids: set[int] = set()
-    sources: list[Any] = [config]
-    with contextlib.suppress(OSError):
-        sources.insert(0, GenerationConfig.from_pretrained(model_dir))
-    for source in sources:
-        value = getattr(source, "eos_token_id", None)
-        if value is None:
-            continue
-        ids.update([value] if isinstance(value, int) else value)
-        break
-    return frozenset(ids)
 
 
 def fingerprint(model: Any, dtype: torch.dtype) -> str:

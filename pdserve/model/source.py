@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Final
 
-import pdserve.model.deepseek_moe  # noqa: F401  (registers model_type "deepseek" with transformers)
+import pdserve.model.deepseek_moe  # noqa: F401  (registers the "deepseek" config with transformers)
 
 logger = logging.getLogger(__name__)
 

@@ -6,6 +6,9 @@ behind the experts interface, so ``model.set_experts_implementation(name)`` choo
 ``eager`` (the loop below), ``batched_mm``, ``grouped_mm`` or any function registered in
 ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``. Checkpoints store one module per expert;
 ``conversion.py`` fuses them at load time and splits them again on save.
+
+Importing this module registers the models with ``AutoModel`` and ``AutoModelForCausalLM``, and the
+checkpoint conversion.
 """
 
 from typing import Any
@@ -13,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
@@ -29,6 +32,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from pdserve.model.deepseek_moe.configuration import DeepseekMoeConfig
+from pdserve.model.deepseek_moe.conversion import register_conversion
 
 
 class DeepseekMoeMLP(nn.Module):
@@ -304,3 +308,8 @@ class DeepseekMoeForCausalLM(DeepseekMoePreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,
         )
+
+
+AutoModel.register(DeepseekMoeConfig, DeepseekMoeModel, exist_ok=True)
+AutoModelForCausalLM.register(DeepseekMoeConfig, DeepseekMoeForCausalLM, exist_ok=True)
+register_conversion()

@@ -23,6 +23,7 @@ from transformers import (
     Qwen2MoeConfig,
 )
 
+import pdserve.model.deepseek_moe.modeling  # noqa: F401  (AutoModelForCausalLM builds the DeepSeekMoE presets)
 from pdserve.model.deepseek_moe import DeepseekMoeConfig
 from pdserve.model.presets.tiny_tokenizer import EOS_TOKEN, save_tokenizer
 
