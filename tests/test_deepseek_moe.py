@@ -272,7 +272,9 @@ def test_tiny_preset_shape_and_weights(tiny: Any, cache_dir: Path) -> None:
     assert "model.layers.1.mlp.experts.7.up_proj.weight" in on_disk, (
         "the preset is stored in the published layout"
     )
-    assert _state_sha256(tiny) == TINY_STATE_SHA256, "tiny-deepseek-moe weights changed: bump BUILDER_VERSION"
+    assert _state_sha256(tiny) == TINY_STATE_SHA256, (
+        "tiny-deepseek-moe weights changed: bump its version in pdserve.model.source"
+    )
 
 
 def test_experts_implementations_agree_and_the_interface_is_used(cache_dir: Path) -> None:

@@ -20,7 +20,7 @@ from pdserve.model import source as model_source
 from pdserve.model.presets import smollm2
 from pdserve.model.presets import tiny as tiny_presets
 from pdserve.model.presets.tiny_tokenizer import EOS_TOKEN, IM_END, IM_START, VOCAB_SIZE
-from pdserve.model.source import PRESETS, default_cache_dir, resolve_model_dir
+from pdserve.model.source import PRESETS, default_cache_dir, preset_version, resolve_model_dir
 
 torch.set_num_threads(1)
 
@@ -109,7 +109,7 @@ def test_directory_without_config_raises(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_preset_builds_and_loads(name: str, tiny_cache: Path) -> None:
     model_dir = resolve_model_dir(name, cache_dir=tiny_cache)
-    assert model_dir == tiny_cache.resolve() / f"{name}-{tiny_presets.BUILDER_VERSION}"
+    assert model_dir == tiny_cache.resolve() / f"{name}-{preset_version(name)}"
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= {
         p.name for p in model_dir.iterdir()
     }
@@ -128,7 +128,7 @@ def test_tiny_preset_builds_and_loads(name: str, tiny_cache: Path) -> None:
     assert generation.eos_token_id == generation.bos_token_id == generation.pad_token_id == eos_id
     assert tokenizer.eos_token_id == tokenizer.bos_token_id == tokenizer.pad_token_id == eos_id
     assert _state_sha256(model) == GOLDEN_STATE_SHA256[name], (
-        f"{name} weights changed: bump tiny_presets.BUILDER_VERSION and update GOLDEN_STATE_SHA256"
+        f"{name} weights changed: bump its version in pdserve.model.source and update GOLDEN_STATE_SHA256"
     )
 
 
@@ -219,6 +219,26 @@ def test_tiny_presets_are_deterministic_across_processes(tiny_cache: Path, tmp_p
         assert _file_digests(ours) == _file_digests(theirs)
 
 
+def test_a_built_preset_resolves_without_model_code(tiny_cache: Path) -> None:
+    """The gateway resolves the preset the engines built: it must not import a builder and the model
+    code it loads for that (seconds of its start)."""
+    for name in TINY:
+        resolve_model_dir(name, cache_dir=tiny_cache)
+    proc = _run_python(
+        f"""
+        import sys
+        from pdserve.model.source import resolve_model_dir
+        for name in {TINY!r}:
+            print(resolve_model_dir(name, cache_dir={str(tiny_cache)!r}))
+        heavy = ("pdserve.model.presets.tiny", "pdserve.model.deepseek_moe.modeling")
+        print(sorted(m for m in heavy if m in sys.modules))
+        """
+    )
+    *paths, imported = _finish(proc).splitlines()
+    assert paths == [str(tiny_cache.resolve() / f"{name}-{preset_version(name)}") for name in TINY]
+    assert imported == "[]"
+
+
 @pytest.mark.parametrize("flock_works", [True, False], ids=["flock", "no-flock"])
 def test_concurrent_resolution_yields_one_directory(flock_works: bool, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
@@ -245,7 +265,7 @@ def test_concurrent_resolution_yields_one_directory(flock_works: bool, tmp_path:
     procs = [_run_python(code) for _ in range(3)]
     lines = {_finish(p).strip() for p in procs}
     assert len(lines) == 1
-    final = cache.resolve() / f"tiny-mla-moe-{tiny_presets.BUILDER_VERSION}"
+    final = cache.resolve() / f"tiny-mla-moe-{preset_version('tiny-mla-moe')}"
     assert lines.pop().split()[0] == str(final)
     assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == [final.name]
 
@@ -262,7 +282,7 @@ def test_failed_build_leaves_nothing_visible(monkeypatch: pytest.MonkeyPatch, tm
 
 
 def test_leftover_partial_build_is_ignored_and_removed(tmp_path: Path) -> None:
-    final_name = f"tiny-llama-{tiny_presets.BUILDER_VERSION}"
+    final_name = f"tiny-llama-{preset_version('tiny-llama')}"
     stale = tmp_path / f".{final_name}.crashed.tmp"
     stale.mkdir()
     (stale / "config.json").write_text("{}")

@@ -35,6 +35,12 @@ PRESETS: Final[dict[str, str]] = {
     DEEPSEEK_MOE_16B_SHAPE: "random weights of DeepSeekMoE-16B's shapes, bfloat16, about 33 GB (GPU benchmarks)",
 }
 
+# Each builder's version is part of its presets' directory names: bump it whenever what the builder
+# writes changes. Kept here, apart from the builders, so that finding a preset built already imports
+# no model code (the gateway only reads its config and tokenizer).
+_VERSIONS: Final[dict[str, str]] = {SMOLLM2: "v1", DEEPSEEK_MOE_16B_SHAPE: "v2"}
+_TINY_VERSION: Final = "v1"
+
 CACHE_ENV: Final = "PDSERVE_CACHE_DIR"
 _TMP_SUFFIX: Final = ".tmp"
 
@@ -69,25 +75,32 @@ def _preset_list() -> str:
     return ", ".join(sorted(PRESETS))
 
 
-def _builder(name: str) -> tuple[str, Callable[[Path], None]]:
+def preset_version(name: str) -> str:
+    """The version of the builder of preset ``name``, part of the name of the directory it builds."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r} ({_preset_list()})")
+    return _VERSIONS.get(name, _TINY_VERSION)
+
+
+def _builder(name: str) -> Callable[[Path], None]:
     if name == SMOLLM2:
         from pdserve.model.presets import smollm2
 
-        return smollm2.BUILDER_VERSION, smollm2.convert_smollm2
+        return smollm2.convert_smollm2
     if name == DEEPSEEK_MOE_16B_SHAPE:
         from pdserve.model.deepseek_moe import random_checkpoint
 
-        return random_checkpoint.BUILDER_VERSION, partial(random_checkpoint.build_shape_preset, name)
+        return partial(random_checkpoint.build_shape_preset, name)
     from pdserve.model.presets import tiny as tiny_presets
 
-    return tiny_presets.BUILDER_VERSION, partial(tiny_presets.build_tiny_preset, name)
+    return partial(tiny_presets.build_tiny_preset, name)
 
 
 def _materialize(name: str, root: Path) -> Path:
-    version, build = _builder(name)
-    final = root / f"{name}-{version}"
+    final = root / f"{name}-{preset_version(name)}"
     if (final / "config.json").is_file():
         return final
+    build = _builder(name)
     root.mkdir(parents=True, exist_ok=True)
     with _exclusive(root / f".{final.name}.lock") as locked:
         if (final / "config.json").is_file():

