@@ -1,5 +1,6 @@
-"""Starts the gateway: tokenizer and limits of the model, backend pools (and the discovery of their
-``dns:///`` names, called with the internal credential), gRPC and HTTP servers (the API key and
+"""Starts the gateway: tokenizer and limits of the model, then (``--backends-from-stdin``) the backend
+addresses from stdin, backend pools (and the discovery of their ``dns:///`` names, called with the
+internal credential), gRPC and HTTP servers (the API key and
 TLS of ``--api-key``/``--tls-cert``), and the metrics server.
 
 A port it cannot bind, or a ``--chat-template`` it cannot read or compile, ends it at start with one
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import CollectorRegistry
@@ -28,6 +30,7 @@ from gateway.prompt_input import PromptInput
 from gateway.request_flow import RequestFlow
 from gateway.servicer import GatewayServicer
 from pdserve.config import GatewayConfig
+from pdserve.config.backend_line import read_backend_line
 from pdserve.core.heap import freeze_heap
 from pdserve.core.limits import ModelLimits
 from pdserve.hosting.metrics_server import MetricsServer
@@ -57,6 +60,12 @@ async def serve(config: GatewayConfig, resolver: Resolver = resolve_dns) -> None
     limits = ModelLimits.from_config(hf_config, config.max_model_len, eos_token_ids(model_dir, hf_config))
     defaults = await asyncio.to_thread(generation_defaults, config.generation_config, str(model_dir))
 
+    if config.backends_from_stdin:
+        try:
+            config = await read_backend_line(config, sys.stdin)
+        except ValueError as error:
+            logger.error("gateway: --backends-from-stdin: %s", error)
+            raise SystemExit(1) from None
     metrics = GatewayMetrics(CollectorRegistry(), config.model_id, limits.max_model_len)
     internal = internal_client(config.internal)
     prefills = prefill_pool(fixed_addresses(config.prefill), security=internal)

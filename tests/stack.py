@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from typing import Any
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.config.backend_line import backend_line
 from pdserve.rpc.channel_security import INTERNAL_TOKEN_KEY, ChannelSecurity
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +48,8 @@ class ServiceProcess:
     log_path: Path
     # What runs ``name``: `python -m pdserve NAME ...` unless another module stands in front of it.
     launcher: tuple[str, ...] = ("-m", "pdserve")
+    # A pipe to its stdin (a gateway given --backends-from-stdin reads its backends from it).
+    pipe_stdin: bool = False
     popen: subprocess.Popen[str] | None = None
     ready: dict[str, Any] = field(default_factory=dict)
     _ready_event: threading.Event = field(default_factory=threading.Event)
@@ -56,6 +60,7 @@ class ServiceProcess:
         log = self.log_path.open("a")
         self.popen = subprocess.Popen(
             [sys.executable, *self.launcher, self.name, *self.args],
+            stdin=subprocess.PIPE if self.pipe_stdin else None,
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
@@ -74,6 +79,13 @@ class ServiceProcess:
             if isinstance(message, dict) and message.get("ready"):
                 self.ready = message
                 self._ready_event.set()
+
+    def write_stdin(self, text: str) -> None:
+        """Writes ``text`` to its stdin (``pipe_stdin``) and closes it."""
+        assert self.popen is not None and self.popen.stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # it exited: wait_ready says how
+            self.popen.stdin.write(text)
+            self.popen.stdin.close()
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
@@ -179,23 +191,26 @@ class Stack:
         self.gateway: ServiceProcess | None = None
 
     def start(self) -> Stack:
-        for service in (*self.prefills, *self.decodes):
-            service.start()
-        for service in (*self.prefills, *self.decodes):
-            service.wait_ready(self._ready_timeout_s)
+        # As `pdserve up` does: the gateway loads its model beside the replicas and takes their
+        # addresses on stdin once they are ready.
         self.gateway = ServiceProcess(
             "gateway",
-            [
-                *self._gateway_args,
-                "--prefill",
-                ",".join(p.grpc for p in self.prefills),
-                "--decode",
-                ",".join(d.grpc for d in self.decodes),
-            ],
+            [*self._gateway_args, "--backends-from-stdin", "true"],
             self._env,
             self._log_dir / "gateway.log",
+            pipe_stdin=True,
         )
-        self.gateway.start()
+        for service in (*self.prefills, *self.decodes, self.gateway):
+            service.start()
+        try:
+            for service in (*self.prefills, *self.decodes):
+                service.wait_ready(self._ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.gateway.write_stdin(
+            backend_line([p.grpc for p in self.prefills], [d.grpc for d in self.decodes])
+        )
         self.gateway.wait_ready()
         return self
 

@@ -448,6 +448,7 @@ INTERNAL_ENV = [
                 "PDSERVE_PREFILL",
                 "PDSERVE_DECODE",
                 "PDSERVE_RESOLVE_INTERVAL_S",
+                "PDSERVE_BACKENDS_FROM_STDIN",
                 "PDSERVE_HTTP_PORT",
                 "PDSERVE_SERVED_MODEL_NAME",
                 "PDSERVE_GENERATION_CONFIG",

@@ -55,6 +55,7 @@ parser.add_argument("--metrics-port", type=int, default=0)
 parser.add_argument("--kv-port", type=int, default=0)
 parser.add_argument("--prefill", default="")
 parser.add_argument("--decode", default="")
+parser.add_argument("--backends-from-stdin", default="false")
 args, _ = parser.parse_known_args()
 
 
@@ -80,13 +81,18 @@ if args.behavior == "never-ready":
     while True:
         time.sleep(1)
 
+backends = {"prefill": args.prefill.split(","), "decode": args.decode.split(",")}
+if args.backends_from_stdin == "true":
+    backends = json.loads(sys.stdin.readline())
+
 grpc_address = args.report_grpc or f"127.0.0.1:{args.port or free_port()}"
 ready = {"ready": True, "service": args.role, "grpc": grpc_address,
          "metrics": f"127.0.0.1:{args.metrics_port or free_port()}", "pid": os.getpid()}
 if args.role == "prefill":
     ready["kv_rendezvous"] = f"127.0.0.1:{args.kv_port or free_port()}"
 with open(args.log, "a") as log:
-    log.write(json.dumps({"name": args.name, "argv": sys.argv[1:], "time": time.monotonic(), **ready}) + "\n")
+    log.write(json.dumps({"name": args.name, "argv": sys.argv[1:], "time": time.monotonic(),
+                          "backends": backends, **ready}) + "\n")
 print(json.dumps(ready), flush=True)
 
 marker = f"{args.log}.{args.name}.died"
@@ -392,11 +398,16 @@ def test_startup_announces_one_ready_line_then_stops_cleanly(
     assert "kv_rendezvous" not in ready["decode"][0]
     assert {"grpc", "metrics", "pid"} <= ready["gateway"].keys()
     assert "service" not in ready["gateway"]
-    # The gateway was pointed at every replica, and every service was health-checked.
-    gateway_argv = fakes.starts("gateway")[0]["argv"]
-    prefill_addresses = ",".join(prefill["grpc"] for prefill in ready["prefill"])
-    assert gateway_argv[gateway_argv.index("--prefill") + 1] == prefill_addresses
-    assert gateway_argv[gateway_argv.index("--decode") + 1] == ready["decode"][0]["grpc"]
+    # The gateway started beside the replicas and was handed every one of them on its stdin once
+    # they were ready; every service was health-checked.
+    gateway = fakes.starts("gateway")[0]
+    assert "--backends-from-stdin" in gateway["argv"] and "--prefill" not in gateway["argv"]
+    assert gateway["argv"][gateway["argv"].index("--http-port") + 1] == "0"
+    assert gateway["backends"] == {
+        "prefill": [prefill["grpc"] for prefill in ready["prefill"]],
+        "decode": [ready["decode"][0]["grpc"]],
+    }
+    assert gateway["time"] > max(start["time"] for start in fakes.starts() if start["name"] != "gateway")
     services = [ready["gateway"], *ready["prefill"], *ready["decode"]]
     assert sorted(checked) == sorted(service["grpc"] for service in services)
     # Other stdout lines of the children go to stderr, and so does the hint.
@@ -436,6 +447,9 @@ def test_a_dead_child_comes_back_on_the_same_ports(
     assert argv[argv.index("--metrics-port") + 1] == first["metrics"].rpartition(":")[2]
     if role == "prefill":
         assert argv[argv.index("--kv-port") + 1] == first["kv_rendezvous"].rpartition(":")[2]
+    if role == "gateway":  # started again with the backends it was handed at first, as flags
+        assert "--backends-from-stdin" not in argv
+        assert second_start["backends"] == first_start["backends"]
 
     def current() -> dict[str, Any]:
         endpoints = supervisor.endpoints()

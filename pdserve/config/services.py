@@ -517,6 +517,14 @@ class GatewayConfig:
     resolve_interval_s: float = field(
         default=5.0, metadata={"help": "seconds between resolutions of the dns:/// backend names"}
     )
+    backends_from_stdin: bool = field(
+        default=False,
+        metadata={
+            "help": "take --prefill and --decode from the first line of stdin, a JSON object "
+            '{"prefill": [...], "decode": [...]}, read once the model is loaded (a supervisor starts '
+            "the gateway beside its backends so)"
+        },
+    )
     http_port: int = field(
         default=HTTP_PORT,
         metadata={
@@ -549,9 +557,12 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a directory, got ''")
-        if not self.prefill:
+        if self.backends_from_stdin:
+            if self.prefill or self.decode:
+                raise ValueError("backends_from_stdin reads the prefill and decode addresses: set neither")
+        elif not self.prefill:
             raise ValueError("at least one prefill address is required (--prefill / PDSERVE_PREFILL)")
-        if not self.decode:
+        elif not self.decode:
             raise ValueError("at least one decode address is required (--decode / PDSERVE_DECODE)")
         for address in self.prefill:
             check_backend_address("prefill", address)

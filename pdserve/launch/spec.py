@@ -269,6 +269,11 @@ class LaunchSpec:
         return GATEWAY if self.role == GATEWAY else f"{self.role}-{self.index}"
 
 
+def awaits_backends(spec: LaunchSpec) -> bool:
+    """Whether ``spec`` starts a gateway before its backends: it reads their addresses on stdin."""
+    return spec.role == GATEWAY and not spec.prefill
+
+
 CommandBuilder = Callable[[LaunchSpec], Sequence[str]]
 HealthCheck = Callable[[str, float], None]
 
@@ -278,7 +283,10 @@ def service_command(config: UpConfig, spec: LaunchSpec) -> list[str]:
     command = [sys.executable, "-m", "pdserve", spec.role, "--model", config.model, "--host", config.host]
     command += ["--port", str(spec.port), "--metrics-port", str(spec.metrics_port)]
     if spec.role == GATEWAY:
-        command += ["--prefill", ",".join(spec.prefill), "--decode", ",".join(spec.decode)]
+        if awaits_backends(spec):
+            command += ["--backends-from-stdin", "true"]
+        else:
+            command += ["--prefill", ",".join(spec.prefill), "--decode", ",".join(spec.decode)]
         command += ["--http-port", str(spec.http_port)]
         command += _set_only(served_model_name=config.served_model_name, chat_template=config.chat_template)
     else:

@@ -1,9 +1,10 @@
 """``pdserve up``: runs prefill and decode replicas and the gateway as supervised child processes.
 
-The supervisor starts the prefill and decode replicas (internal ports chosen free), reads each
-child's one JSON ready line from its stdout, then starts the gateway pointed at them, checks that
-every service reports SERVING on ``grpc.health.v1``, and prints its own single JSON ready line on
-stdout. Everything else, including the children's logs, goes to stderr.
+The supervisor starts the prefill and decode replicas (internal ports chosen free) and the gateway
+together, reads each replica's one JSON ready line from its stdout, then hands their addresses to
+the gateway (on its stdin: it loads its model meanwhile), waits for the gateway's ready line, checks
+that every service reports SERVING on ``grpc.health.v1``, and prints its own single JSON ready line
+on stdout. Everything else, including the children's logs, goes to stderr.
 
 A child that dies is restarted with exponential backoff on the addresses it first announced; one
 that dies more than ``max_restarts`` times within ``restart_window_s`` stops everything with a
@@ -29,11 +30,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any, TextIO
 
 from pdserve.config import flags
+from pdserve.config.backend_line import backend_line
 from pdserve.core.logs import configure_logging
 from pdserve.core.processes import with_parent_death_signal
 from pdserve.launch.child_security import child_client, child_env, gateway_client, run_token
@@ -49,6 +51,7 @@ from pdserve.launch.spec import (
     HealthCheck,
     LaunchSpec,
     UpConfig,
+    awaits_backends,
     bind_error,
     curl_example,
     describe_exit,
@@ -222,24 +225,22 @@ class Supervisor:
             for index in range(counts[role])
             for name in [LaunchSpec(role, index).name]
         ]
-        self._children.extend(backends)
-        for child in backends:
+        # The gateway starts beside the replicas and loads its model meanwhile; their addresses
+        # (ports chosen when they bind) reach it on its stdin once they are ready.
+        gateway = _Child(LaunchSpec(GATEWAY, port=config.port, http_port=config.http_port))
+        self._children.extend([*backends, gateway])
+        for child in self._children:
             self._spawn(child)
         failed = self._await_ready(backends, deadline)
         if failed is not None:
             return failed
 
-        gateway = _Child(
-            LaunchSpec(
-                GATEWAY,
-                port=config.port,
-                http_port=config.http_port,
-                prefill=tuple(self._address(c) for c in backends if c.spec.role in (PREFILL, COLOCATED)),
-                decode=tuple(self._address(c) for c in backends if c.spec.role in (DECODE, COLOCATED)),
-            )
+        gateway.spec = replace(
+            gateway.spec,
+            prefill=tuple(self._address(c) for c in backends if c.spec.role in (PREFILL, COLOCATED)),
+            decode=tuple(self._address(c) for c in backends if c.spec.role in (DECODE, COLOCATED)),
         )
-        self._children.append(gateway)
-        self._spawn(gateway)
+        self._hand_backends(gateway)
         failed = self._await_ready([gateway], deadline)
         if failed is None:
             failed = self._check_health(deadline)
@@ -487,7 +488,7 @@ class Supervisor:
         logger.info("starting %s: %s", child.name, " ".join(argv))
         proc = subprocess.Popen(
             with_parent_death_signal(argv, os.getpid()),
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if awaits_backends(child.spec) else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             text=True,
             encoding="utf-8",
@@ -510,6 +511,16 @@ class Supervisor:
         child.threads = [reader, waiter]
         reader.start()
         waiter.start()
+
+    @staticmethod
+    def _hand_backends(gateway: _Child) -> None:
+        """Writes the replicas' addresses to the stdin of a gateway started without them."""
+        assert gateway.proc is not None and gateway.proc.stdin is not None
+        try:
+            gateway.proc.stdin.write(backend_line(gateway.spec.prefill, gateway.spec.decode))
+            gateway.proc.stdin.close()
+        except OSError as error:  # it exited: its exit is the event that says so
+            logger.debug("could not hand the gateway its backends: %s", error)
 
     def _read_stdout(self, child: _Child, generation: int, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
