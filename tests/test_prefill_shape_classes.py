@@ -75,3 +75,18 @@ def test_rows_over_one_past_share_one_class(cache_dir: Path) -> None:
             run_forward(compiled, pasts, chunks).logits, run_forward(m, pasts, chunks).logits
         )
     assert frames() - first == 1
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_class_is_traced_once(cache_dir: Path) -> None:
+    """The model's float constants (norm epsilon, attention and rotary scaling) are compiled as the
+    constants they are: taken for inputs, they failed AOTAutograd's scalar pass, which restarted
+    dynamo's analysis of every class (each traced twice, the first trace's graph never cached: half
+    of a warm start). Compiled by the backend that runs AOTAutograd without code generation."""
+    m = eager_engine_model("tiny-llama", cache_dir)
+    compiled = torch.compile(m.model, dynamic=True, backend="aot_eager")
+    forward = dataclasses.replace(m, forward_module=CompiledForward(m.model, compiled))
+    chunks = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    torch.testing.assert_close(run_forward(forward, None, chunks).logits, run_forward(m, None, chunks).logits)
+    assert frames() == 1
+    assert counters["aot_autograd"]["total"] == 1

@@ -73,6 +73,10 @@ class CompiledForward:
         if not getattr(self._configured, "done", False):
             config = torch._dynamo.config
             config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+            # The models' float constants (norm epsilon, attention and rotary scaling) are compiled
+            # as constants: taken for inputs, some fail AOTAutograd's scalar pass, which restarts
+            # dynamo's analysis, so each shape class was traced twice (half of a warm start).
+            config.specialize_float = True
             self._configured.done = True
         return compiled(**inputs)
 
