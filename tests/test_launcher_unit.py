@@ -515,6 +515,24 @@ def test_a_child_that_exits_before_ready_fails_startup(
     assert not any(is_alive(start["pid"]) for start in fakes.starts())
 
 
+def test_a_gateway_that_exits_before_ready_fails_startup(
+    fakes: Fakes, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = UpConfig(**FAST)
+    stdout = io.StringIO()
+    supervisor = Supervisor(
+        config,
+        command_builder=fakes.builder(config, {"gateway": "die-before-ready"}),
+        health_check=None,
+        stdout=stdout,
+        stderr=io.StringIO(),
+    )
+    assert supervisor.run() == 1
+    assert stdout.getvalue() == ""
+    assert any("gateway exited with code 3 before it was ready" in r.getMessage() for r in caplog.records)
+    assert not any(is_alive(start["pid"]) for start in fakes.starts())
+
+
 def test_startup_timeout(fakes: Fakes, caplog: pytest.LogCaptureFixture) -> None:
     config = UpConfig(**{**FAST, "startup_timeout_s": 1.5})
     supervisor = Supervisor(
