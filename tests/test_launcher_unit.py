@@ -496,40 +496,23 @@ def test_gives_up_after_max_restarts_with_exponential_backoff(
     assert not any(is_alive(start["pid"]) for start in fakes.starts())
 
 
+@pytest.mark.parametrize("name", ["decode-0", "gateway"])
 def test_a_child_that_exits_before_ready_fails_startup(
-    fakes: Fakes, caplog: pytest.LogCaptureFixture
+    fakes: Fakes, caplog: pytest.LogCaptureFixture, name: str
 ) -> None:
     config = UpConfig(**FAST, prefill_replicas=2)
     stdout = io.StringIO()
     supervisor = Supervisor(
         config,
-        command_builder=fakes.builder(config, {"decode-0": "die-before-ready"}),
+        command_builder=fakes.builder(config, {name: "die-before-ready"}),
         health_check=None,
         stdout=stdout,
         stderr=io.StringIO(),
     )
     assert supervisor.run() == 1
     assert stdout.getvalue() == ""
-    assert any("decode-0 exited with code 3 before it was ready" in r.getMessage() for r in caplog.records)
-    assert fakes.starts("decode-0") == [] and fakes.starts("gateway") == []
-    assert not any(is_alive(start["pid"]) for start in fakes.starts())
-
-
-def test_a_gateway_that_exits_before_ready_fails_startup(
-    fakes: Fakes, caplog: pytest.LogCaptureFixture
-) -> None:
-    config = UpConfig(**FAST)
-    stdout = io.StringIO()
-    supervisor = Supervisor(
-        config,
-        command_builder=fakes.builder(config, {"gateway": "die-before-ready"}),
-        health_check=None,
-        stdout=stdout,
-        stderr=io.StringIO(),
-    )
-    assert supervisor.run() == 1
-    assert stdout.getvalue() == ""
-    assert any("gateway exited with code 3 before it was ready" in r.getMessage() for r in caplog.records)
+    assert any(f"{name} exited with code 3 before it was ready" in r.getMessage() for r in caplog.records)
+    assert fakes.starts(name) == [] and fakes.starts("gateway") == []
     assert not any(is_alive(start["pid"]) for start in fakes.starts())
 
 
