@@ -201,6 +201,8 @@ def test_compare_table_divides_by_the_baseline() -> None:
             "itl_ms": stats,
             "output_tokens_per_cpu_s": None,
             "prefix_hit_rate": 0.5 if tok_s > 1000 else None,
+            "server_cpu_s": 2.0 if tok_s > 1000 else None,
+            "server_run_queue_wait_s": 0.5,
         }
 
     text = table([("vllm", result(900.0)), ("pdserve", result(1350.0))], baseline="vllm")
@@ -209,8 +211,9 @@ def test_compare_table_divides_by_the_baseline() -> None:
     )
     assert header[:4] == ["system", "ok/failed", "out tok/s", "x baseline"]
     assert vllm_row[:4] == ["vllm", "32/0", "900.0", "1.00"]
-    assert pdserve_row[:4] == ["pdserve", "32/0", "1350.0", "1.50"] and pdserve_row[-1] == "-"
-    assert (header[-2], vllm_row[-2], pdserve_row[-2]) == ("prefix hits", "-", "0.500")
+    assert pdserve_row[:4] == ["pdserve", "32/0", "1350.0", "1.50"] and pdserve_row[-2] == "-"
+    assert (header[-3], vllm_row[-3], pdserve_row[-3]) == ("prefix hits", "-", "0.500")
+    assert (header[-1], vllm_row[-1], pdserve_row[-1]) == ("wait/CPU-s", "-", "0.25")
     with pytest.raises(ValueError, match="baseline"):
         table([("vllm", result(1.0))], baseline="sglang")
 
@@ -397,6 +400,8 @@ RESULT_KEYS = {
     "goodput",
     "server_cpu_s",
     "output_tokens_per_cpu_s",
+    "server_run_queue_wait_s",
+    "server_processes",
     "errors",
     "requests",
 }
@@ -453,6 +458,14 @@ def test_bench_completions_against_pdserve(http_stack: Stack, cache_dir: Path, t
     assert result["request_throughput"] == pytest.approx(6 / result["duration_s"])
     assert result["good_requests"] == 6 and result["goodput"] == pytest.approx(result["request_throughput"])
     assert result["server_cpu_s"] > 0 and result["output_tokens_per_cpu_s"] > 0
+    # Each server process on its own: the gateway, the prefill and the decode did work.
+    processes = {p["pid"]: p for p in result["server_processes"]}
+    for service in (http_stack.gateway, *http_stack.prefills, *http_stack.decodes):
+        assert service is not None
+        row = processes[service.pid]
+        assert row["cpu_s"] > 0 and "pdserve" in row["command"]
+        assert row["run_queue_wait_s"] is None or row["run_queue_wait_s"] >= 0
+    assert result["server_cpu_s"] == pytest.approx(sum(p["cpu_s"] for p in processes.values()))
     assert_no_leaks(http_stack)
 
 

@@ -82,12 +82,12 @@ async def run_benchmark(config: BenchConfig, base_url: str, pids: list[int]) -> 
         run = await run_requests(
             session, target, requests, offsets, config.concurrency, count_tokens, config.progress
         )
-        cpu_s = meter.stop() if pids else None
+        server = meter.stop() if pids else None
     metrics = compute_metrics(run.records, run.duration_s, config.slo_ms)
     settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in UNREPORTED_FIELDS}
     settings.update(base_url=base_url, model=model, slo=list(config.slo))
-    result = build_result(metrics, run.records, settings, cpu_s)
-    result["table"] = format_table(metrics, cpu_s, title=f"{model} @ {base_url} ({config.endpoint})")
+    result = build_result(metrics, run.records, settings, server)
+    result["table"] = format_table(metrics, server, title=f"{model} @ {base_url} ({config.endpoint})")
     return result
 
 
@@ -147,10 +147,10 @@ async def _run_workload(
             count_tokens,
             config.progress,
         )
-        cpu_s = meter.stop() if pids else None
+        server = meter.stop() if pids else None
         metrics = compute_metrics(run.records, run.duration_s, config.slo_ms)
-        result = build_result(metrics, run.records, _settings(config, base_url, model), cpu_s)
-        result["table"] = format_table(metrics, cpu_s, title=title)
+        result = build_result(metrics, run.records, _settings(config, base_url, model), server)
+        result["table"] = format_table(metrics, server, title=title)
         return result
     prompts = MixedPrompts(
         ids,
@@ -167,7 +167,7 @@ async def _run_workload(
         config.mixed_duration_s,
         config.progress,
     )
-    cpu_s = meter.stop() if pids else None
-    result = mixed_result(mixed, _settings(config, base_url, model), cpu_s)
+    server = meter.stop() if pids else None
+    result = mixed_result(mixed, _settings(config, base_url, model), server)
     result["table"] = title + "\n" + result["table"]
     return result

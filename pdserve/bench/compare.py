@@ -6,7 +6,8 @@ Each row is one system; the ratio column divides its output tok/s by the baselin
 row unless ``--baseline`` names another). Rows named ``WORKLOAD/SYSTEM`` are compared within
 their workload: the baseline of ``mixed/pdserve`` is ``mixed/BASELINE`` (or the workload's first
 row). The mixed workload's rows also show the long prompts' TTFT p50; a server that reports cached
-prompt tokens shows its prefix cache hit rate.
+prompt tokens shows its prefix cache hit rate. With ``--server-pid``, tok/CPU-s is output tokens per
+second of server CPU, and wait/CPU-s the seconds its threads waited for a core per second they ran.
 """
 
 from __future__ import annotations
@@ -32,11 +33,18 @@ COLUMNS = (
     ("long TTFT p50", ">"),
     ("prefix hits", ">"),
     ("tok/CPU-s", ">"),
+    ("wait/CPU-s", ">"),
 )
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _wait_per_cpu_s(result: dict[str, Any]) -> float | None:
+    """Seconds the server's threads waited for a CPU per second they ran (``cpu_time``)."""
+    wait, cpu = result.get("server_run_queue_wait_s"), result.get("server_cpu_s")
+    return wait / cpu if wait is not None and cpu else None
 
 
 def table(results: Sequence[tuple[str, dict[str, Any]]], baseline: str = "") -> str:
@@ -70,6 +78,7 @@ def table(results: Sequence[tuple[str, dict[str, Any]]], baseline: str = "") -> 
                 _fmt(long["ttft_ms"]["p50"] if isinstance(long, dict) else None),
                 _fmt(result.get("prefix_hit_rate"), 3),
                 _fmt(result.get("output_tokens_per_cpu_s")),
+                _fmt(_wait_per_cpu_s(result), 2),
             ]
         )
     widths = [max(len(title), *(len(row[i]) for row in rows)) for i, (title, _) in enumerate(COLUMNS)]

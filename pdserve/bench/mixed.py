@@ -20,6 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from pdserve.bench.cpu_time import ServerUsage
 from pdserve.bench.metrics import BenchMetrics, compute_metrics
 from pdserve.bench.openai_client import RequestRecord
 from pdserve.bench.report import build_result, format_table
@@ -70,13 +71,13 @@ def mixed_metrics(run: MixedRun) -> tuple[BenchMetrics, BenchMetrics]:
     return compute_metrics(run.short, run.duration_s), compute_metrics(run.long, run.duration_s)
 
 
-def mixed_result(run: MixedRun, settings: dict[str, Any], cpu_s: float | None) -> dict[str, Any]:
+def mixed_result(run: MixedRun, settings: dict[str, Any], server: ServerUsage | None) -> dict[str, Any]:
     """The JSON-ready result: the short streams' latencies at the top level (as a reference run's),
     throughput over every request, and the long prompts' under ``long``; plus ``table``."""
     short, long = mixed_metrics(run)
     records = [*run.short, *run.long]
     everything = compute_metrics(records, run.duration_s)
-    result = build_result(short, records, settings, cpu_s)
+    result = build_result(short, records, settings, server)
     result["completed"] = everything.num_completed
     result["failed"] = everything.num_failed
     result["total_input_tokens"] = everything.total_input_tokens
@@ -84,8 +85,8 @@ def mixed_result(run: MixedRun, settings: dict[str, Any], cpu_s: float | None) -
     result["request_throughput"] = everything.request_throughput
     result["output_throughput"] = everything.output_throughput
     result["total_token_throughput"] = everything.total_token_throughput
-    if cpu_s:
-        result["output_tokens_per_cpu_s"] = everything.total_output_tokens / cpu_s
+    if server is not None and server.cpu_s:
+        result["output_tokens_per_cpu_s"] = everything.total_output_tokens / server.cpu_s
     result["short"] = {
         "completed": short.num_completed,
         "failed": short.num_failed,
@@ -99,7 +100,7 @@ def mixed_result(run: MixedRun, settings: dict[str, Any], cpu_s: float | None) -
         "e2el_ms": long.e2el.as_dict(),
     }
     lines = [
-        format_table(everything, cpu_s, title="all requests"),
+        format_table(everything, server, title="all requests"),
         format_table(short, title="short streams"),
         format_table(long, title="long prompts"),
     ]

@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pdserve.bench.cpu_time import ServerUsage
 from pdserve.bench.metrics import MS_PER_S, BenchMetrics, Distribution, tpot_s
 from pdserve.bench.openai_client import RequestRecord
 
@@ -22,10 +23,11 @@ def build_result(
     metrics: BenchMetrics,
     records: Sequence[RequestRecord],
     settings: Mapping[str, Any],
-    server_cpu_s: float | None = None,
+    server: ServerUsage | None = None,
 ) -> dict[str, Any]:
     """Everything about a run as plain JSON types (``inf`` written as the string ``"inf"``)."""
     errors = Counter(r.error for r in records if not r.success)
+    server_cpu_s = server.cpu_s if server is not None else None
     result: dict[str, Any] = {
         "settings": {key: _finite(v) if isinstance(v, float) else v for key, v in settings.items()},
         "duration_s": metrics.duration_s,
@@ -47,6 +49,8 @@ def build_result(
         "goodput": metrics.goodput,
         "server_cpu_s": server_cpu_s,
         "output_tokens_per_cpu_s": (metrics.total_output_tokens / server_cpu_s if server_cpu_s else None),
+        "server_run_queue_wait_s": server.run_queue_wait_s if server is not None else None,
+        "server_processes": server.as_rows() if server is not None else [],
         "errors": [{"error": e, "count": n} for e, n in errors.most_common(MAX_ERRORS)],
         "requests": [_request_row(r) for r in records],
     }
@@ -79,7 +83,7 @@ def _section(title: str, name: str, dist: Distribution) -> list[str]:
     return lines
 
 
-def format_table(metrics: BenchMetrics, server_cpu_s: float | None = None, title: str = "") -> str:
+def format_table(metrics: BenchMetrics, server: ServerUsage | None = None, title: str = "") -> str:
     """The result as a vLLM-style text table."""
     lines = [" Serving Benchmark Result ".center(WIDTH, "=")]
     if title:
@@ -107,11 +111,13 @@ def format_table(metrics: BenchMetrics, server_cpu_s: float | None = None, title
             _line(f"Goodput (req/s) [{slo}]", metrics.goodput),
             _line("Good requests", metrics.num_good),
         ]
-    if server_cpu_s:
+    if server is not None and server.cpu_s:
         lines += [
-            _line("Server CPU time (s)", server_cpu_s),
-            _line("Output tokens per server CPU-second", metrics.total_output_tokens / server_cpu_s),
+            _line("Server CPU time (s)", server.cpu_s),
+            _line("Output tokens per server CPU-second", metrics.total_output_tokens / server.cpu_s),
         ]
+        if server.run_queue_wait_s is not None:
+            lines.append(_line("Server run-queue wait (s)", server.run_queue_wait_s))
     lines += _section("Time to First Token", "TTFT", metrics.ttft)
     lines += _section("Time per Output Token (excl. 1st token)", "TPOT", metrics.tpot)
     lines += _section("Inter-token Latency", "ITL", metrics.itl)
