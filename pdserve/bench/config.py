@@ -134,7 +134,11 @@ class BenchConfig:
     output_file: str = field(default="", metadata={"help": "also write the JSON result to this file"})
     progress: bool = field(default=True, metadata={"help": "progress bar on stderr"})
     server_pid: tuple[str, ...] = field(
-        default=(), metadata={"help": "server pids whose process trees' CPU seconds are measured"}
+        default=(),
+        metadata={
+            "help": "server pids whose process trees are measured: CPU seconds and, per process, "
+            "the seconds its threads waited for a core (Linux)"
+        },
     )
     launch: str = field(
         default="",
