@@ -16,10 +16,10 @@ from pdserve.bench.report import build_result, format_table
 
 HAS_SCHEDSTAT = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat").exists()
 
-# Spins for the given seconds of wall time on CPU 0 (``sched_setaffinity``), then exits.
+# Spins for the given seconds of wall time on the given CPU (``sched_setaffinity``), then exits.
 SPIN = """
 import os, sys, time
-os.sched_setaffinity(0, {0})
+os.sched_setaffinity(0, {int(sys.argv[2])})
 end = time.monotonic() + float(sys.argv[1])
 while time.monotonic() < end:
     pass
@@ -71,8 +71,9 @@ def test_report_carries_the_waits() -> None:
 
 @pytest.mark.skipif(not HAS_SCHEDSTAT or not hasattr(os, "sched_setaffinity"), reason="Linux schedstat")
 def test_two_processes_on_one_core_wait_for_it() -> None:
-    """Two spinning children of one parent, both bound to CPU 0: each runs about half the time and
+    """Two spinning children of one parent, both bound to one CPU: each runs about half the time and
     waits the other half."""
+    cpu = min(os.sched_getaffinity(0))
 
     def measure(children: int, seconds: float) -> ServerUsage:
         parent = subprocess.Popen(
@@ -80,7 +81,8 @@ def test_two_processes_on_one_core_wait_for_it() -> None:
                 sys.executable,
                 "-c",
                 "import subprocess, sys; "
-                f"ps = [subprocess.Popen([sys.executable, '-c', {SPIN!r}, '{seconds}']) for _ in range({children})]; "
+                f"ps = [subprocess.Popen([sys.executable, '-c', {SPIN!r}, '{seconds}', '{cpu}']) "
+                f"for _ in range({children})]; "
                 "[p.wait() for p in ps]",
             ]
         )
