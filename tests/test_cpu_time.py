@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pdserve.bench.cpu_time import CpuMeter, ProcessUsage, ServerUsage, run_queue_waits
@@ -74,43 +75,28 @@ def test_two_processes_on_one_core_wait_for_it() -> None:
     """Two spinning children of one parent, both bound to one CPU: each runs about half the time and
     waits the other half."""
     cpu = min(os.sched_getaffinity(0))
-
-    def measure(children: int, seconds: float) -> ServerUsage:
-        parent = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                "import subprocess, sys; "
-                f"ps = [subprocess.Popen([sys.executable, '-c', {SPIN!r}, '{seconds}', '{cpu}']) "
-                f"for _ in range({children})]; "
-                "[p.wait() for p in ps]",
-            ]
-        )
-        try:
-            deadline = time.monotonic() + 30
-            while len(_children(parent.pid)) < children:  # both spinning before the first snapshot
-                assert time.monotonic() < deadline and parent.poll() is None
-                time.sleep(0.02)
-            meter = CpuMeter([parent.pid])
-            meter.start()
-            time.sleep(seconds / 2)
-            return meter.stop()
-        finally:
-            parent.wait(timeout=30)
-
-    usage = measure(2, 2.0)
+    spin = [sys.executable, "-c", SPIN, "2.0", str(cpu)]
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess; ps = [subprocess.Popen({spin!r}) for _ in range(2)]; [p.wait() for p in ps]",
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(psutil.Process(parent.pid).children()) < 2:  # both spinning before the first snapshot
+            assert time.monotonic() < deadline and parent.poll() is None
+            time.sleep(0.02)
+        meter = CpuMeter([parent.pid])
+        meter.start()
+        time.sleep(1.0)
+        usage = meter.stop()
+    finally:
+        parent.wait(timeout=30)
     spinners = [p for p in usage.processes if p.cpu_s > 0.1]  # not the parent, which waits for them
     assert len(spinners) == 2, usage
     assert usage.run_queue_wait_s is not None and usage.run_queue_wait_s > 0.3, usage
     for process in spinners:
         assert process.run_queue_wait_s is not None and process.run_queue_wait_s > 0.15, usage
         assert process.command.startswith(sys.executable + " -c")
-
-
-def _children(pid: int) -> list[int]:
-    import psutil
-
-    try:
-        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return []

@@ -113,9 +113,14 @@ def _tree(pid: int) -> dict[int, _Snapshot]:
 
 def _waited(before: _Snapshot | None, after: _Snapshot) -> float | None:
     """Seconds ``after``'s threads waited since ``before`` (threads born meanwhile in full)."""
-    if after.waits is None or (before is not None and before.waits is None):
+    if after.waits is None:
         return None
-    earlier = before.waits if before is not None and before.waits is not None else {}
+    if before is None:
+        earlier: dict[int, float] = {}
+    elif before.waits is None:
+        return None
+    else:
+        earlier = before.waits
     return sum(max(0.0, s - earlier.get(tid, 0.0)) for tid, s in after.waits.items())
 
 
