@@ -8,7 +8,12 @@ the logits of the first token), so at most ``(len(prompt) - 1) // block_size`` b
 are found.
 
 Each block's keys and values lie in one slot of per-layer pools ``[heads, blocks * block_size,
-width]`` allocated once on the model's device: a prompt's blocks, in consecutive slots as a rule,
+width]`` allocated once on the model's device and written (zeros) right away, as the decode's pool
+is: a page of host memory written for the first time faults, and a cache filled slot after slot by
+new prompts would otherwise pay that on every prompt's copy until it is full (the reference model
+of ``shared/PEERS.md``, 1024-token prompts one after another on one thread of the 2-core CPU
+machine: 159-160 ms each against 138-139 ms on pools written before; writing its 1.5 GiB at start
+takes 0.5-3.5 s). A prompt's blocks, in consecutive slots as a rule,
 are copied in as one slice and read back as a view (a match stops before a few last blocks in
 other slots; one scattered further is gathered with one index per layer and tensor, once for all
 the matches of the same blocks held at a time). ``lookup`` takes a reference on the blocks it finds
@@ -145,8 +150,8 @@ class PrefixCache:
         n = self.capacity_blocks
         self._pools = [
             (
-                empty_pool((kh, n * block_size, kw), layout.dtype, device),
-                empty_pool((vh, n * block_size, vw), layout.dtype, device),
+                empty_pool((kh, n * block_size, kw), layout.dtype, device).zero_(),
+                empty_pool((vh, n * block_size, vw), layout.dtype, device).zero_(),
             )
             for (kh, kw), (vh, vw) in zip(layout.keys, layout.values, strict=True)
         ]
@@ -260,8 +265,7 @@ class PrefixCache:
         unreferenced blocks when full, least recently used first (see the module's text). Returns, per
         hash, the id of the block cached with ``kv``'s tokens, or None where none was (one already
         there, or no room left because every block is referenced). The copy itself waits for the
-        next ``flush``: the engine answers a forward's prompts first, since the first writes into a
-        fresh pool fault its pages in."""
+        next ``flush``: the engine answers a forward's prompts first."""
         added: list[Block] = []
         uids: list[int | None] = [None] * len(hashes)
         runs: list[tuple[int, int, int]] = []  # (first block of kv, first slot, blocks): consecutive slots

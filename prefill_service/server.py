@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -111,6 +112,7 @@ def build_prefix_cache(
     capacity = config.prefix_cache_tokens
     if capacity < 0:
         capacity = default_capacity_tokens(engine_model.kv_layout.bytes_per_token(), engine_model.device)
+    started = time.perf_counter()
     cache = PrefixCache(
         config.prefix_block_size,
         capacity,
@@ -120,10 +122,11 @@ def build_prefix_cache(
     )
     metrics.track_prefix_cache(cache)
     logger.info(
-        "prefix cache: %d tokens in blocks of %d (%d bytes per token)",
+        "prefix cache: %d tokens in blocks of %d (%d bytes per token), its memory written in %.2f s",
         cache.capacity_tokens,
         cache.block_size,
         engine_model.kv_layout.bytes_per_token(),
+        time.perf_counter() - started,
     )
     return cache
 

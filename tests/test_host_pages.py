@@ -28,14 +28,18 @@ def _thp_mode() -> str:
 def _huge_kib_in(tensor: torch.Tensor) -> int:
     """KiB of the mappings holding ``tensor``'s memory that are backed by huge pages now."""
     start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
+    return _smaps_kib_in(start, start + tensor.numel() * tensor.element_size(), "AnonHugePages:")
+
+
+def _smaps_kib_in(start: int, end: int, key: str) -> int:
+    """The sum of ``key`` (an /proc/self/smaps field in KiB) over the mappings holding [start, end)."""
     total, inside = 0, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             low, high = (int(x, 16) for x in head.split("-"))
             inside = low < end and start < high
-        elif inside and head == "AnonHugePages:":
+        elif inside and head == key:
             total += int(line.split()[1])
     return total
 
@@ -87,3 +91,21 @@ def test_the_prefix_cache_and_the_decode_pool_are_advised(monkeypatch: pytest.Mo
     pool = KvPool(layout, num_blocks=4, block_size=16, device=torch.device("cpu"))
     assert len(advised) == 4
     assert all(float(t.abs().sum()) == 0.0 for t in [*pool.keys, *pool.values])  # zeroed, as before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_the_prefix_cache_pools_are_resident_once_built() -> None:
+    """No prompt pays for the first writes of the cache's pages: they are written when it is built."""
+    layout = KvLayout(keys=((4, 64),) * 2, values=((4, 64),) * 2, dtype=torch.float32)
+    cache = PrefixCache(block_size=16, capacity_tokens=8192, layout=layout, device=torch.device("cpu"))
+    hashes = cache.hashes(list(range(17)))
+    kv = [(torch.ones(4, 16, 64), torch.ones(4, 16, 64))] * 2
+    cache.insert(hashes[:1], kv)
+    views = cache.kv(cache.lookup(hashes, 17))  # one block, in the pools
+    pools = [view.untyped_storage() for pair in views for view in pair]
+    assert len({pool.data_ptr() for pool in pools}) == 4
+    for pool in pools:
+        assert pool.nbytes() == 8192 * 4 * 64 * 4  # 8 MiB: the whole pool
+        assert (
+            _smaps_kib_in(pool.data_ptr(), pool.data_ptr() + pool.nbytes(), "Rss:") >= pool.nbytes() // 1024
+        )
