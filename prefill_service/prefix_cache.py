@@ -44,7 +44,6 @@ The cache belongs to the engine thread: it is not locked (its gauges read plain 
 from __future__ import annotations
 
 import hashlib
-import os
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -54,6 +53,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from pdserve.kv.host_memory import host_memory_bytes
 from pdserve.kv.host_pages import empty_pool
 from pdserve.kv.layout import KvLayout
 from prefill_service.block_ids import BlockIds
@@ -85,11 +85,13 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
 
 
 def default_capacity_tokens(bytes_per_token: int, device: torch.device) -> int:
-    """The default bound: 1/16 of the device's memory, at most ``MAX_DEFAULT_BYTES``, in tokens."""
+    """The default bound: 1/16 of the device's memory, at most ``MAX_DEFAULT_BYTES``, in tokens; on
+    a CPU the memory this process may use (``host_memory``: a container's limit where smaller), as
+    the pools are written whole at start."""
     if device.type == "cuda":
         memory = torch.cuda.get_device_properties(device).total_memory
     else:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory = host_memory_bytes()
     return min(memory // 16, MAX_DEFAULT_BYTES) // max(bytes_per_token, 1)
 
 

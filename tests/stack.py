@@ -149,6 +149,9 @@ def service_env(cache_dir: Path) -> dict[str, str]:
         PDSERVE_INTERNAL_TOKEN=TEST_TOKEN,
         # Eager forwards unless a test asks for --compile: compiling costs a start-up a minute cold.
         PDSERVE_COMPILE="false",
+        # A prefix cache of 65536 tokens unless a test sizes it: a prefill writes its whole cache at
+        # start, and the default (1/16 of the memory) is gigabytes for every stack a test keeps up.
+        PDSERVE_PREFIX_CACHE_TOKENS="65536",
         OMP_NUM_THREADS="1",
         HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pdserve.config import PrefillConfig
+from pdserve.kv.host_memory import host_memory_bytes
 from pdserve.v1 import kv_pb2
 from prefill_service.metrics import PrefillMetrics
 from prefill_service.server import build_prefix_cache
@@ -181,9 +182,11 @@ def test_chunked_prompts_and_evictions_stay_exact(stack: Stack, reference_models
     assert_no_leaks(stack)
 
 
-def test_the_cache_is_on_by_default(stack_pool: StackPool) -> None:
+def test_the_cache_is_on_without_a_flag(stack_pool: StackPool) -> None:
+    """A stack no flag gives a prefix cache has one, of the size its environment says (the tests'
+    services get ``PDSERVE_PREFIX_CACHE_TOKENS``; the default size is checked in-process below)."""
     metrics = scrape(stack_pool.get(MODEL).prefills[0].metrics)
-    assert metrics["pdserve_prefill_prefix_cache_capacity_tokens"] > 100_000
+    assert metrics["pdserve_prefill_prefix_cache_capacity_tokens"] == 65536
 
 
 def test_no_prefix_cache_turns_it_off(cache_dir: Path) -> None:
@@ -195,10 +198,5 @@ def test_no_prefix_cache_turns_it_off(cache_dir: Path) -> None:
         assert build_prefix_cache(config, m, metrics) is None
     cache = build_prefix_cache(PrefillConfig(prefix_block_size=4), m, metrics)
     assert cache is not None and cache.block_size == 4
-    assert cache.capacity_tokens == min(4 << 30, _memory() // 16) // m.kv_layout.bytes_per_token() // 4 * 4
-
-
-def _memory() -> int:
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = host_memory_bytes()
+    assert cache.capacity_tokens == min(4 << 30, memory // 16) // m.kv_layout.bytes_per_token() // 4 * 4

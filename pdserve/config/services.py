@@ -318,8 +318,9 @@ class PrefillSettings:
         default=-1,
         metadata={
             "help": "most prompt tokens whose KV the prefill's prefix cache keeps (LRU) for prompts "
-            "that start the same way; -1: 1/16 of the device's memory (at most 4 GiB) over the "
-            "model's KV bytes per token; 0: no prefix cache"
+            "that start the same way, written whole at start; -1: 1/16 of the device's memory (on CPU "
+            "a container's memory limit where smaller; at most 4 GiB) over the model's KV bytes per "
+            "token; 0: no prefix cache"
         },
     )
     no_prefix_cache: bool = field(
