@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kv.host_pages import empty_pool
+from pdserve.kv.host_pages import zeroed_pool
 from pdserve.kv.layout import KvLayout
 from pdserve.model.compiled_forward import static_dims
 
@@ -59,12 +59,10 @@ class KvPool:
         num_slots = num_blocks * block_size
         # Heads and width are the model's: constants of a compiled step (see ``static_dims``).
         self.keys = [
-            static_dims(empty_pool((num_slots, h, w), layout.dtype, device).zero_(), 1, 2)
-            for h, w in layout.keys
+            static_dims(zeroed_pool((num_slots, h, w), layout.dtype, device), 1, 2) for h, w in layout.keys
         ]
         self.values = [
-            static_dims(empty_pool((num_slots, h, w), layout.dtype, device).zero_(), 1, 2)
-            for h, w in layout.values
+            static_dims(zeroed_pool((num_slots, h, w), layout.dtype, device), 1, 2) for h, w in layout.values
         ]
         self._free = list(range(num_blocks - 1, -1, -1))
         self._refs = [0] * num_blocks

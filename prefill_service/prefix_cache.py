@@ -54,7 +54,7 @@ import torch
 from transformers import DynamicCache
 
 from pdserve.kv.host_memory import host_memory_bytes
-from pdserve.kv.host_pages import empty_pool
+from pdserve.kv.host_pages import zeroed_pool
 from pdserve.kv.layout import KvLayout
 from prefill_service.block_ids import BlockIds
 
@@ -152,8 +152,8 @@ class PrefixCache:
         n = self.capacity_blocks
         self._pools = [
             (
-                empty_pool((kh, n * block_size, kw), layout.dtype, device).zero_(),
-                empty_pool((vh, n * block_size, vw), layout.dtype, device).zero_(),
+                zeroed_pool((kh, n * block_size, kw), layout.dtype, device),
+                zeroed_pool((vh, n * block_size, vw), layout.dtype, device),
             )
             for (kh, kw), (vh, vw) in zip(layout.keys, layout.values, strict=True)
         ]

@@ -4,11 +4,12 @@ A pool's memory is mapped when it is allocated but faulted in page by page when 
 4 KiB pages each one is a fault, and the prefill's prefix cache, filled slot after slot by new
 prompts, would write into slots never written before until it is full (gigabytes): measured on the
 2-core CPU machine, 8 MiB of KV copied into fresh pages took 7-14 ms, into pages already written
-1.1 ms, and into fresh 2 MiB pages 1.3 ms. ``empty_pool`` asks the kernel (``madvise(MADV_HUGEPAGE)``) to back a CPU pool with
-2 MiB pages; with transparent huge pages off, or on another OS, the pool is the same ``torch.empty``
-with 4 KiB pages. CUDA memory is unaffected. Huge pages make the faults fewer, not free (on a
-virtual machine the host backs a page the first time the guest writes it): the decode's pool and
-the prefix cache write their pools whole when they are built, before any request.
+1.1 ms, and into fresh 2 MiB pages 1.3 ms. ``empty_pool`` asks the kernel
+(``madvise(MADV_HUGEPAGE)``) to back a CPU pool with 2 MiB pages; with transparent huge pages off,
+or on another OS, the pool is the same ``torch.empty`` with 4 KiB pages. CUDA memory is
+unaffected. Huge pages make the faults fewer, not free (on a virtual machine the host backs a page
+the first time the guest writes it): the decode's pool and the prefix cache take theirs written
+whole (``zeroed_pool``) when they are built, before any request.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ def empty_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     tensor = torch.empty(shape, dtype=dtype, device=device)
     advise_huge_pages(tensor)
     return tensor
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``empty_pool`` written whole (zeros) now, so that no later write faults its pages in."""
+    return empty_pool(shape, dtype, device).zero_()
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
