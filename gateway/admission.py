@@ -55,12 +55,17 @@ class Admission:
 
     def take(self) -> Place:
         """One place, to be released; raises Overloaded when every place is taken."""
-        if self.admitted >= self.max_in_flight:
+        return self.take_many(1)[0]
+
+    def take_many(self, count: int) -> list[Place]:
+        """``count`` places (a batch of prompts), all or none; raises Overloaded when fewer are free."""
+        if self.admitted + count > self.max_in_flight:
             self._metrics.shed.labels("gateway").inc()
+            asked = "" if count == 1 else f"; {count} more would pass it"
             raise Overloaded(
-                f"the gateway is serving {self.admitted} requests, its limit (--max-in-flight); "
-                f"retry in {self.retry_after_s} s",
+                f"the gateway is serving {self.admitted} requests, its limit (--max-in-flight) "
+                f"being {self.max_in_flight}{asked}; retry in {self.retry_after_s} s",
                 self.retry_after_s,
             )
-        self.admitted += 1
-        return Place(self)
+        self.admitted += count
+        return [Place(self) for _ in range(count)]

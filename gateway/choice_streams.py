@@ -12,12 +12,12 @@ each one's decode is cancelled and its KV, when not yet pulled, released.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Sequence
 
 import grpc
 
+from gateway.stream_merge import interleaved
 from pdserve.core.choices import choice_params
 from pdserve.core.sampling import SamplingParams
 from pdserve.rpc.errors import RpcError
@@ -55,30 +55,7 @@ def choice_answers(answer: prefill_pb2.PrefillResponse, n: int) -> list[prefill_
 async def merged(streams: Sequence[Responses]) -> Responses:
     """Every stream's responses as they come, each with its stream's position as ``index``; a
     stream's error ends the merged stream with it. Closing the merged stream cancels the rest."""
-    queue: asyncio.Queue[tuple[int, gateway_pb2.GenerateResponse | Exception | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: Responses) -> None:
-        try:
-            async with contextlib.aclosing(stream):
-                async for response in stream:
-                    await queue.put((index, response))
-            await queue.put((index, None))
-        except Exception as exc:  # handed to the consumer, which raises it
-            await queue.put((index, exc))
-
-    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
-    running = len(tasks)
-    try:
-        while running:
-            index, item = await queue.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                item.index = index
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    async with contextlib.aclosing(interleaved(streams)) as items:
+        async for index, response in items:
+            response.index = index
+            yield response

@@ -3,7 +3,9 @@
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed as server-sent events or
 whole), ``GET /v1/models``, ``GET /v1/models/{id}`` (404 for another id), ``POST /tokenize``,
 ``POST /detokenize`` and ``GET /version`` (``gateway.tokenize_api``), ``GET /health`` and
-``GET /metrics`` (the gateway's Prometheus registry, as on ``--metrics-port``). A client that disconnects cancels its
+``GET /metrics`` (the gateway's Prometheus registry, as on ``--metrics-port``). A completions
+``prompt`` may be a batch, each prompt served as a request of its own (``gateway.prompt_batch``).
+A client that disconnects cancels its
 request, and with it decode; KV not yet pulled is released on the prefill. With an API key, calls
 under ``/v1`` need it (``gateway.api_key``).
 
@@ -16,6 +18,7 @@ up the request ends (504 before its first token, an SSE ``error`` event after it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -51,7 +54,6 @@ from gateway.openai_generation import (
     collect,
     completion,
     completion_events,
-    first_response,
     observed,
 )
 from gateway.openai_logprobs import ChatShape, CompletionShape, TokenText, chat_counts, completion_counts
@@ -67,11 +69,12 @@ from gateway.openai_requests import (
     ChatPrompt,
     chat_max_tokens,
     check_supported,
-    completion_input,
+    completion_inputs,
     completion_max_tokens,
     max_tokens_param,
     sampling_params,
 )
+from gateway.prompt_batch import batched, started
 from gateway.prompt_input import PromptInput
 from gateway.prompt_options import completion_prompt, truncated
 from gateway.request_flow import RequestFlow
@@ -138,10 +141,12 @@ class OpenAIApi:
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         self._admit(body)
         meta = ResponseMeta.new("cmpl", self._model_id, body.request_id)
-        request = completion_input(body, meta.id)
+        requests = completion_inputs(body, meta.id)
         try:
-            self._inputs.check_generate(request)
-            request = await completion_prompt(body, request, self._prompts)
+            self._inputs.check_prompt_count(len(requests))
+            for request in requests:
+                self._inputs.check_prompt(request)
+            requests = [await completion_prompt(body, request, self._prompts) for request in requests]
             max_tokens = completion_max_tokens(body)
             echo_only = body.echo and max_tokens == 0  # the prompt alone (one token runs, unshown)
             params = sampling_params(body, 1 if echo_only else max_tokens, self._defaults)
@@ -151,17 +156,18 @@ class OpenAIApi:
             body, self._limits.vocab_size, self._inputs.limits.max_logprobs
         )
         params = dataclasses.replace(params, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-        events: EventsFn = completion_events
-        whole: BodyFn = completion
-        place = self._admission.take()  # before an echoed prompt is tokenized
+        places = self._admission.take_many(len(requests))  # before an echoed prompt is tokenized
         try:
+            shapes: list[CompletionShape] = []
             if body.echo or logprobs is not None or prompt_logprobs is not None:
-                shape, request = await self._completion_shape(body, request, params, echo_only)
-                events = functools.partial(completion_events, shape=shape)
-                whole = functools.partial(completion, shape=shape)
-            return await self._respond(raw, body, meta, request, params, events, whole, place)
+                for position, request in enumerate(requests):
+                    shape, requests[position] = await self._completion_shape(body, request, params, echo_only)
+                    shapes.append(shape)
+            events = functools.partial(completion_events, shapes=shapes, per_prompt=params.n)
+            whole = functools.partial(completion, shapes=shapes, per_prompt=params.n)
+            return await self._respond(raw, body, meta, requests, params, events, whole, places)
         except BaseException:
-            place.release()  # a response that streams gives it back when its stream ends
+            release(places)  # a response that streams gives them back when its stream ends
             raise
 
     async def _completion_shape(
@@ -208,7 +214,7 @@ class OpenAIApi:
             self._inputs.check_texts("messages", [m.text() for m in body.messages])
         except ValueError as exc:
             raise from_value_error(exc) from exc
-        place = self._admission.take()  # before templating: an overloaded gateway does none
+        places = self._admission.take_many(1)  # before templating: an overloaded gateway does none
         try:
             ids = await self._prompts.off_loop(lambda: self._chat.token_ids(body.messages, body))
             ids = truncated(ids, body, self._limits.max_model_len)
@@ -216,12 +222,12 @@ class OpenAIApi:
             params = sampling_params(body, max_tokens, self._defaults)
             params = dataclasses.replace(params, logprobs=count, prompt_logprobs=prompt_count)
             request = gateway_pb2.GenerateRequest(request_id=meta.id, prompt_token_ids=ids)
-            return await self._respond(raw, body, meta, request, params, events, whole, place)
+            return await self._respond(raw, body, meta, [request], params, events, whole, places)
         except ValueError as exc:
-            place.release()
+            release(places)
             raise from_value_error(exc, {"prompt": "messages", **max_tokens_param(body)}) from exc
         except BaseException:
-            place.release()  # a response that streams gives it back when its stream ends
+            release(places)  # a response that streams gives it back when its stream ends
             raise
 
     async def models(self) -> JSONResponse:
@@ -266,22 +272,46 @@ class OpenAIApi:
         raw: Request,
         body: SamplingFields,
         meta: ResponseMeta,
-        request: gateway_pb2.GenerateRequest,
+        requests: list[gateway_pb2.GenerateRequest],
         params: SamplingParams,
         events: EventsFn,
         whole: BodyFn,
-        place: Place,
+        places: list[Place],
     ) -> Response:
+        """The response to ``requests`` (one prompt each; a batch's as one), each holding its
+        admission place until it ends."""
         deadline = request_deadline(body.timeout, raw.headers.get("x-request-timeout"))
-        responses = observed(self._flow, self._metrics, place, request, params, deadline)
+        streams = [
+            observed(self._flow, self._metrics, place, request, params, deadline)
+            for request, place in zip(requests, places, strict=True)
+        ]
+        responses = batched(streams, params.n)
         if body.stream:
-            first = await first_response(responses)
+            first, rest = await started(responses, len(requests), params.n)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return SseResponse(events(meta, first, responses, include_usage))
-        totals = await unless_disconnected(raw, collect(responses))
+            return SseResponse(releasing(events(meta, first, rest, include_usage), places))
+        try:
+            totals = await unless_disconnected(raw, collect(responses, params.n))
+        finally:
+            release(places)  # a prompt whose stream never started holds its place still
         if totals is None:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(whole(meta, totals).model_dump())
+
+
+def release(places: list[Place]) -> None:
+    for place in places:
+        place.release()
+
+
+async def releasing(events: AsyncGenerator[str, None], places: list[Place]) -> AsyncGenerator[str, None]:
+    """``events``, then ``places`` given back, however the stream ends."""
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
+    finally:
+        release(places)
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

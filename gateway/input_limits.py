@@ -57,6 +57,19 @@ class InputLimits:
                 "request_id may hold only printable ASCII characters without spaces ('!' to '~')"
             )
 
+    def check_prompt(self, request: gateway_pb2.GenerateRequest) -> None:
+        """One prompt of an HTTP completions request, as text or token ids."""
+        self.check_prompt_text(request.prompt)
+        self.check_prompt_ids(len(request.prompt_token_ids))
+
+    def check_prompt_count(self, count: int) -> None:
+        """The prompts of one completions request: each is a request the gateway serves at once."""
+        bound = self.limits.max_in_flight
+        if count > bound:
+            raise ValueError(
+                f"prompt is a batch of {count} prompts; at most {bound} are served at once (--max-in-flight)"
+            )
+
     def check_prompt_text(self, text: str) -> None:
         self.check_texts("prompt", (text,))
 

@@ -3,7 +3,8 @@
 Responses of the request flow carry their choice's ``index``; each choice's text, token count and
 finish reason add up apart. The usage counts the prompt once (and its tokens taken from the prefix
 cache, ``prompt_tokens_details.cached_tokens``) and the completion tokens of every choice, as
-OpenAI and vLLM count them. A whole (not streamed) response lists the choices by index.
+OpenAI and vLLM count them; a batch of prompts (``gateway.prompt_batch``, ``per_prompt`` choices
+each) counts each prompt once. A whole (not streamed) response lists the choices by index.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ C = TypeVar("C", bound=ChoiceCount)
 
 
 class Choices(Generic[C]):
-    def __init__(self, new: Callable[[], C]) -> None:
+    def __init__(self, new: Callable[[], C], per_prompt: int | None = None) -> None:
+        """``per_prompt``: the choices of each prompt of a batch (None: one prompt)."""
         self._new = new
+        self._per_prompt = per_prompt
         self._choices: dict[int, C] = {}
 
     def add(self, response: gateway_pb2.GenerateResponse) -> FinishReason | None:
@@ -48,12 +51,17 @@ class Choices(Generic[C]):
         return sorted(self._choices.items())
 
     def usage(self) -> Usage:
-        prompt = max((c.prompt_tokens for c in self._choices.values()), default=0)
-        cached = max((c.cached_tokens for c in self._choices.values()), default=0)
+        prompts: dict[int, tuple[int, int]] = {}  # prompt -> its tokens, those cached
+        for index, c in self._choices.items():
+            prompt = 0 if self._per_prompt is None else index // self._per_prompt
+            tokens, cached = prompts.get(prompt, (0, 0))
+            prompts[prompt] = (max(tokens, c.prompt_tokens), max(cached, c.cached_tokens))
+        prompt_tokens = sum(tokens for tokens, _ in prompts.values())
+        cached_tokens = sum(cached for _, cached in prompts.values())
         completion = sum(c.completion_tokens for c in self._choices.values())
         return Usage(
-            prompt_tokens=prompt,
+            prompt_tokens=prompt_tokens,
             completion_tokens=completion,
-            total_tokens=prompt + completion,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+            total_tokens=prompt_tokens + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )

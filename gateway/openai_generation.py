@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -137,18 +137,24 @@ async def _chain(first: gateway_pb2.GenerateResponse, rest: Responses) -> Respon
 RequestTotals = Choices[Totals]
 
 
-async def collect(responses: Responses) -> RequestTotals:
-    """A whole request's text and counts, by choice (its error when it fails)."""
-    totals = Choices(Totals)
+async def collect(responses: Responses, per_prompt: int | None = None) -> RequestTotals:
+    """A whole request's text and counts, by choice (its error when it fails); ``per_prompt``:
+    the choices of each prompt of a batch (``gateway.prompt_batch``)."""
+    totals = Choices(Totals, per_prompt)
     totals.add(await first_response(responses))
     async for response in responses:
         totals.add(response)
     return totals
 
 
-def completion(meta: ResponseMeta, totals: RequestTotals, shape: CompletionShape | None = None) -> Completion:
+def completion(
+    meta: ResponseMeta, totals: RequestTotals, shapes: Sequence[CompletionShape] = (), per_prompt: int = 1
+) -> Completion:
+    """``shapes``: each prompt's (none: the text alone), prompt ``p`` holding the choices
+    ``p * per_prompt`` onward."""
     choices = []
     for index, totals_i in totals.by_index():
+        shape = shapes[index // per_prompt] if shapes else None
         choice = CompletionChoice(
             index=index,
             text=totals_i.text,
@@ -199,11 +205,14 @@ async def completion_events(
     first: gateway_pb2.GenerateResponse,
     rest: Responses,
     include_usage: bool,
-    shape: CompletionShape | None = None,
+    shapes: Sequence[CompletionShape] = (),
+    per_prompt: int = 1,
 ) -> AsyncGenerator[str, None]:
-    totals = Choices(Totals)
+    """The SSE events of a completion (``shapes`` and ``per_prompt`` as ``completion``'s)."""
+    totals = Choices(Totals, per_prompt)
     try:
         async for response in _chain(first, rest):
+            shape = shapes[response.index // per_prompt] if shapes else None
             is_first = totals.is_new(response.index)
             offset = len(totals.choice(response.index).text)
             reason = totals.add(response)

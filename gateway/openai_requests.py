@@ -16,6 +16,7 @@ from gateway.openai_models import (
     FinishReason,
     SamplingFields,
 )
+from gateway.prompt_batch import prompt_request_id
 from gateway.structured_request import structured_output
 from pdserve.core.finish import EOS, LENGTH, STOP
 from pdserve.core.sampling import SamplingParams
@@ -86,13 +87,20 @@ def allowed_token_ids(ids: list[int] | None) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids or ()))
 
 
-def completion_input(body: CompletionRequest, request_id: str) -> gateway_pb2.GenerateRequest:
-    """One prompt, as text or token ids; a batch of several prompts is refused."""
+def completion_inputs(body: CompletionRequest, request_id: str) -> list[gateway_pb2.GenerateRequest]:
+    """The request's prompts, as text or token ids: one, or a batch (a list of texts or of
+    token-id lists), each with its id (``gateway.prompt_batch``)."""
     prompt: Any = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise bad_request(f"prompt: one prompt per request is supported, got {len(prompt)}", "prompt")
-        prompt = prompt[0]
+    batch: list[Any] = (
+        prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else [prompt]
+    )
+    return [
+        _prompt_request(one, prompt_request_id(request_id, position, len(batch)))
+        for position, one in enumerate(batch)
+    ]
+
+
+def _prompt_request(prompt: str | list[int], request_id: str) -> gateway_pb2.GenerateRequest:
     if isinstance(prompt, str):
         return gateway_pb2.GenerateRequest(request_id=request_id, prompt=prompt)
     return gateway_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt)

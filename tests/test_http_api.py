@@ -167,6 +167,68 @@ def test_completion_of_token_ids_equals_grpc(http_stack: HttpStack) -> None:
         assert result.usage is not None and result.usage.prompt_tokens == len(ids)
 
 
+BATCH: list[Any] = ["The capital of France is", [5, 6, 7, 300, 41], "héllo wörld"]
+
+
+def _single(http_stack: HttpStack, prompt: Any, **fields: Any) -> Any:
+    return http_stack.client.completions.create(model=MODEL_ID, prompt=prompt, **fields)
+
+
+@pytest.mark.parametrize("prompts", [BATCH[::2], [BATCH[1], [9, 8, 7]]], ids=["texts", "token ids"])
+def test_a_batch_of_prompts_answers_each_as_its_own_request(
+    http_stack: HttpStack, prompts: list[Any]
+) -> None:
+    """vLLM's batched ``prompt``: prompt p's choice i is choice p * n + i; the usage counts every
+    prompt once and every choice's tokens, whole or streamed."""
+    fields: dict[str, Any] = {"max_tokens": 6, "temperature": 0.9, "seed": 5, "n": 2}
+    fields["extra_body"] = {"ignore_eos": True}
+    singles = [_single(http_stack, prompt, **fields) for prompt in prompts]
+    expected = {2 * p + c.index: c.text for p, single in enumerate(singles) for c in single.choices}
+    assert len(set(expected.values())) > 1
+    prompt_tokens = sum(single.usage.prompt_tokens for single in singles)
+
+    whole = _single(http_stack, prompts, **fields)
+    assert {c.index: c.text for c in whole.choices} == expected
+    assert [c.index for c in whole.choices] == list(range(2 * len(prompts)))
+    assert whole.usage is not None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, 6 * len(expected))
+
+    streamed: dict[int, str] = {}
+    chunks = list(_single(http_stack, prompts, stream=True, stream_options={"include_usage": True}, **fields))
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == expected
+    assert len({c.id for c in chunks}) == 1
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, 6 * len(expected))
+
+
+def test_a_batch_echoes_each_prompt_with_its_logprobs(http_stack: HttpStack) -> None:
+    fields: dict[str, Any] = {"max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2}
+    prompts = BATCH[::2]
+    singles = [_single(http_stack, prompt, **fields).choices[0] for prompt in prompts]
+    batch = _single(http_stack, prompts, **fields).choices
+    assert [c.text for c in batch] == [c.text for c in singles]
+    assert [c.text[: len(p)] for c, p in zip(batch, prompts, strict=True)] == prompts
+    for got, want in zip(batch, singles, strict=True):
+        assert got.logprobs is not None and want.logprobs is not None
+        assert got.logprobs.tokens == want.logprobs.tokens
+        assert got.logprobs.token_logprobs == pytest.approx(want.logprobs.token_logprobs)
+
+
+def test_a_request_id_at_the_bound_names_the_response(http_stack: HttpStack) -> None:
+    for prompt in ("hi", ["hi", "yo"]):
+        status, body = http_post(
+            http_stack.http,
+            "/v1/completions",
+            json.dumps({"prompt": prompt, "max_tokens": 1, "request_id": "r" * 256}).encode(),
+        )
+        assert status == 200, body
+        assert body["id"] == "cmpl-" + "r" * 256
+
+
 def test_usage_counts_the_prompt_tokens_taken_from_the_prefix_cache(http_stack: HttpStack) -> None:
     """As OpenAI and vLLM: ``usage.prompt_tokens_details.cached_tokens`` (whole 16-token blocks the
     prefill did not compute again; the prompt's last token always runs)."""
@@ -358,7 +420,39 @@ ERROR_CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
         None,
     ),
     ("empty prompt", "/v1/completions", {**COMPLETION, "prompt": ""}, 400, "prompt", None),
-    ("two prompts", "/v1/completions", {**COMPLETION, "prompt": ["a", "b"]}, 400, "prompt", None),
+    ("empty batch", "/v1/completions", {**COMPLETION, "prompt": []}, 400, "prompt", None),
+    (
+        "batch with an empty prompt",
+        "/v1/completions",
+        {**COMPLETION, "prompt": ["a", ""]},
+        400,
+        "prompt",
+        None,
+    ),
+    (
+        "batch with a prompt too long",
+        "/v1/completions",
+        {**COMPLETION, "prompt": [[5], [5] * 2100]},
+        400,
+        "prompt",
+        None,
+    ),
+    (
+        "streamed batch with a prompt too long",
+        "/v1/completions",
+        {**COMPLETION, "prompt": [[5], [5] * 2100], "stream": True},
+        400,
+        "prompt",
+        None,
+    ),
+    (
+        "batch past max-in-flight",
+        "/v1/completions",
+        {**COMPLETION, "prompt": ["a"] * 257},
+        400,
+        "prompt",
+        None,
+    ),
     ("top_p zero", "/v1/completions", {**COMPLETION, "top_p": 0}, 400, "top_p", None),
     ("empty stop", "/v1/completions", {**COMPLETION, "stop": [""]}, 400, "stop", None),
     ("n=0", "/v1/completions", {**COMPLETION, "n": 0}, 400, "n", None),

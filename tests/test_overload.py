@@ -114,6 +114,35 @@ def test_a_full_gateway_answers_at_once_with_resource_exhausted_and_429(stack: S
     assert status == 200, body  # places are given back when requests end
 
 
+def test_a_batch_of_prompts_takes_a_place_each_all_or_none(stack: Stack) -> None:
+    async def scenario() -> None:
+        holder = Stream(stack.address, long_request())  # type: ignore[arg-type]
+        try:
+            for _ in range(400):
+                if holder.tokens or holder.task.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert holder.tokens, holder.error
+            batch = {"prompt": [[5, 6], [7, 8], [9, 10], [11, 12]], "max_tokens": 2}
+            status, headers, body = await asyncio.to_thread(http_completion, stack, batch)
+            assert status == 429, body  # three places are free: none is taken
+            assert headers.get("retry-after") == str(RETRY_AFTER_S)
+            status, _, body = await asyncio.to_thread(
+                http_completion, stack, {**batch, "prompt": batch["prompt"][:PREFILL_WAITING]}
+            )
+            assert status == 200, body
+            assert [c["index"] for c in body["choices"]] == [0, 1]  # type: ignore[index]
+        finally:
+            holder.task.cancel()
+            await asyncio.gather(holder.task, return_exceptions=True)
+
+    asyncio.run(scenario())
+    status, _, body = http_completion(stack, {"prompt": [[5]] * (MAX_IN_FLIGHT + 1), "max_tokens": 1})
+    assert status == 400 and "--max-in-flight" in body["error"]["message"], body  # type: ignore[index]
+    assert stack.gateway is not None
+    assert scrape(stack.gateway.metrics)["pdserve_gateway_admitted"] == 0  # every place given back
+
+
 def test_an_http_timeout_reaches_decode_as_deadline_exceeded(stack: Stack) -> None:
     expired = decode_metric(stack, "pdserve_decode_deadline_expired_total")
     started = time.monotonic()
