@@ -1,9 +1,11 @@
 """One request of the HTTP API through the request flow, rendered in OpenAI's shapes.
 
 The first response is awaited before anything is sent, so that bad input and unavailable backends
-get their HTTP status; after that a failure is one SSE ``error`` event. Streams end with
-``data: [DONE]``; with ``stream_options.include_usage`` the last chunk before it has empty
-``choices`` and the usage, as OpenAI sends it.
+get their HTTP status; after that a failure is one SSE ``error`` event. Every response that brings
+tokens is a chunk, even when its text is held back (an incomplete character, a possible stop
+string) and the chunk's text is empty, as vLLM streams them: the first token is a chunk when it is
+sampled. Streams end with ``data: [DONE]``; with ``stream_options.include_usage`` the last chunk
+before it has empty ``choices`` and the usage, as OpenAI sends it.
 """
 
 from __future__ import annotations
@@ -231,7 +233,7 @@ async def completion_events(
                     first=is_first,
                     offset=offset,
                 )
-            if choice.text or reason is not None or (choice.logprobs is not None and response.token_ids):
+            if choice.text or reason is not None or response.token_ids:
                 yield sse(Completion(id=meta.id, created=meta.created, model=meta.model, choices=[choice]))
         if include_usage:
             yield sse(
@@ -274,7 +276,7 @@ async def chat_events(
                     Delta(content=response.text),
                     logprobs=shape.render(response.token_ids, response.logprobs),
                 )
-            elif response.text:
+            elif response.text or response.token_ids:
                 yield chunk(response.index, Delta(content=response.text))
             if reason is not None:
                 yield chunk(response.index, Delta(), reason)

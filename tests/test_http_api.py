@@ -156,6 +156,30 @@ def test_completion_stream_without_include_usage_has_no_usage_chunk(http_stack: 
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_every_token_is_a_chunk_even_when_its_text_is_held_back(http_stack: HttpStack, chat: bool) -> None:
+    """As vLLM streams: a token whose text waits (here for a stop string the output might begin) is
+    still a chunk, with empty text, so the first token reaches the client when it is sampled."""
+    fields: dict[str, Any] = {"model": MODEL_ID, "max_tokens": 6, "temperature": 0}
+    fields["extra_body"] = {"ignore_eos": True}
+    messages = [{"role": "user", "content": "x"}]
+    if chat:
+        whole = http_stack.client.chat.completions.create(messages=messages, **fields)
+        text = whole.choices[0].message.content or ""
+    else:
+        text = http_stack.client.completions.create(prompt="Once upon", **fields).choices[0].text
+    fields["extra_body"]["stop"] = [text + "\x00never"]  # every prefix of the output may begin it
+    if chat:
+        chunks = list(http_stack.client.chat.completions.create(messages=messages, stream=True, **fields))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        texts = [c.choices[0].delta.content or "" for c in chunks[1:] if c.choices[0].finish_reason is None]
+    else:
+        chunks = list(http_stack.client.completions.create(prompt="Once upon", stream=True, **fields))
+        texts = [c.choices[0].text for c in chunks]
+    assert len(texts) == 6  # one chunk per token
+    assert texts[:5] == [""] * 5 and texts[5] == text  # the text waits for the output's end
+
+
 def test_completion_of_token_ids_equals_grpc(http_stack: HttpStack) -> None:
     ids = [5, 6, 7, 300, 41]
     expected = http_stack.grpc(prompt_token_ids=ids, max_tokens=10, temperature=0.0, ignore_eos=True)
