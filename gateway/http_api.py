@@ -79,6 +79,7 @@ from gateway.prompt_input import PromptInput
 from gateway.prompt_options import completion_prompt, truncated
 from gateway.request_flow import RequestFlow
 from gateway.tokenize_api import TokenizeApi
+from gateway.tool_calls import tool_mode
 from pdserve.core.limits import ModelLimits
 from pdserve.core.sampling import SamplingParams
 from pdserve.v1 import gateway_pb2
@@ -201,14 +202,14 @@ class OpenAIApi:
 
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._admit(body)
+        tools = tool_mode(body)
         count, prompt_count = chat_counts(body, self._limits.vocab_size, self._inputs.limits.max_logprobs)
-        events: EventsFn = chat_events
-        whole: BodyFn = chat_completion
+        shape = None
         if count is not None or prompt_count is not None:
             text = TokenText(self._prompts.tokenizer, body.return_tokens_as_token_ids)
             shape = ChatShape(text, count, prompt_count)
-            events = functools.partial(chat_events, shape=shape)
-            whole = functools.partial(chat_completion, shape=shape)
+        events: EventsFn = functools.partial(chat_events, shape=shape, tools=tools)
+        whole: BodyFn = functools.partial(chat_completion, shape=shape, tools=tools)
         meta = ResponseMeta.new("chatcmpl", self._model_id, body.request_id)
         try:
             self._inputs.check_texts("messages", [m.text() for m in body.messages])
@@ -221,6 +222,12 @@ class OpenAIApi:
             max_tokens = chat_max_tokens(body, len(ids), self._limits.max_model_len)
             params = sampling_params(body, max_tokens, self._defaults)
             params = dataclasses.replace(params, logprobs=count, prompt_logprobs=prompt_count)
+            if tools is not None:
+                if params.structured_output is not None:
+                    raise bad_request(
+                        "tool_choice constrains the output: give no other constraint", "tool_choice"
+                    )
+                params = dataclasses.replace(params, structured_output=tools.constraint)
             request = gateway_pb2.GenerateRequest(request_id=meta.id, prompt_token_ids=ids)
             return await self._respond(raw, body, meta, [request], params, events, whole, places)
         except ValueError as exc:

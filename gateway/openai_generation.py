@@ -42,6 +42,7 @@ from gateway.openai_models import (
 from gateway.openai_requests import openai_finish_reason
 from gateway.public_errors import public_error
 from gateway.request_flow import RequestFlow
+from gateway.tool_calls import ToolCallStream, ToolMode
 from pdserve.core.sampling import SamplingParams
 from pdserve.rpc.errors import RpcError
 from pdserve.v1 import gateway_pb2, sampling_pb2
@@ -175,16 +176,21 @@ def completion(
 
 
 def chat_completion(
-    meta: ResponseMeta, totals: RequestTotals, shape: ChatShape | None = None
+    meta: ResponseMeta, totals: RequestTotals, shape: ChatShape | None = None, tools: ToolMode | None = None
 ) -> ChatCompletion:
+    """``tools``: the request's tool calling (``gateway.tool_calls``), each choice's output its calls."""
     choices = []
     prompt_logprobs: list[sampling_pb2.TokenLogprobs] = []
     for index, totals_i in totals.by_index():
+        reason = totals_i.finish_reason or "stop"
+        message = AssistantMessage(content=totals_i.text)
+        if tools is not None:
+            calls = tools.calls(totals_i.text)
+            if calls is not None:
+                message = AssistantMessage(content="", tool_calls=calls)
+            reason = tools.finish(reason, calls)
         choice = ChatChoice(
-            index=index,
-            message=AssistantMessage(content=totals_i.text),
-            finish_reason=totals_i.finish_reason or "stop",
-            stop_reason=totals_i.stop_reason,
+            index=index, message=message, finish_reason=reason, stop_reason=totals_i.stop_reason
         )
         if shape is not None:
             choice.logprobs = shape.render(totals_i.token_ids, totals_i.logprobs)
@@ -254,7 +260,10 @@ async def chat_events(
     rest: Responses,
     include_usage: bool,
     shape: ChatShape | None = None,
+    tools: ToolMode | None = None,
 ) -> AsyncGenerator[str, None]:
+    """The SSE events of a chat completion (``tools`` as ``chat_completion``'s)."""
+
     def chunk(
         index: int, delta: Delta, reason: FinishReason | None = None, logprobs: ChatLogprobs | None = None
     ) -> str:
@@ -265,19 +274,31 @@ async def chat_events(
         return sse(ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice]))
 
     totals = Choices(Totals)
+    calls = ToolCallStream(tools) if tools is not None else None
     try:
         async for response in _chain(first, rest):
             if totals.is_new(response.index):  # a choice's first chunk gives the role
                 yield chunk(response.index, Delta(role="assistant", content=""))
             reason = totals.add(response)
+            logprobs = None
             if shape is not None and shape.top_logprobs is not None and response.token_ids:
-                yield chunk(
-                    response.index,
-                    Delta(content=response.text),
-                    logprobs=shape.render(response.token_ids, response.logprobs),
-                )
-            elif response.text or response.token_ids:
-                yield chunk(response.index, Delta(content=response.text))
+                logprobs = shape.render(response.token_ids, response.logprobs)
+            if calls is not None:
+                brings = response.text or response.token_ids
+                part = calls.part(response.index, response.text) if brings else None
+                if part is not None:
+                    yield chunk(response.index, Delta(tool_calls=part), logprobs=logprobs)
+                if reason is not None:
+                    text = totals.choice(response.index).text
+                    whole, made = calls.whole(text)
+                    if whole is not None:
+                        yield chunk(response.index, Delta(tool_calls=whole))
+                    elif calls.mode.required and text:
+                        yield chunk(response.index, Delta(content=text))  # not calls: cut short
+                    yield chunk(response.index, Delta(), calls.mode.finish(reason, made))
+                continue
+            if logprobs is not None or response.text or response.token_ids:
+                yield chunk(response.index, Delta(content=response.text), logprobs=logprobs)
             if reason is not None:
                 yield chunk(response.index, Delta(), reason)
         if include_usage:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.openai_structured import StructuredFields
+from gateway.openai_tools import ChatTool, DeltaToolCall, ToolCall, ToolChoice
 from gateway.refused_fields import refused_chat_fields, refused_fields
 
 # --- requests ------------------------------------------------------------------------------------
@@ -104,9 +105,11 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls (``gateway.tool_calls``)
+    tool_call_id: str | None = None  # the call a tool message answers
 
     def text(self) -> str:
         if self.content is None:
@@ -124,15 +127,16 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = 0
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool = False
-    tools: list[Any] | None = None
+    tools: list[ChatTool] | None = None  # ``gateway.tool_calls``
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # Chat templating (``gateway.openai_requests.ChatPrompt``), as vLLM's.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     documents: list[dict[str, str]] | None = None
-    # Refused unless neutral (``refused_chat_fields``); ignored as vLLM without a parser of
-    # tools or reasoning: parallel_tool_calls, include_reasoning.
-    tool_choice: Any = None
+    # Refused unless neutral (``refused_chat_fields``); ignored as vLLM without a reasoning
+    # parser: include_reasoning.
     reasoning_effort: str | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -142,15 +146,13 @@ class ChatCompletionRequest(SamplingFields):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.tools:
-            out.append(("tools", "tools are not supported"))
         out.extend(refused_chat_fields(self))
         return out
 
 
 # --- responses -----------------------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class PromptTokensDetails(BaseModel):
@@ -207,7 +209,8 @@ class Completion(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)  # as vLLM: [] when none
 
 
 class ChatLogprob(BaseModel):
@@ -248,6 +251,7 @@ class Delta(BaseModel):
 
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
     content: str | None = Field(default=None, exclude_if=_is_none)
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatChunkChoice(BaseModel):

@@ -18,6 +18,7 @@ from gateway.openai_models import (
 )
 from gateway.prompt_batch import prompt_request_id
 from gateway.structured_request import structured_output
+from gateway.tool_calls import template_call, template_tools
 from pdserve.core.finish import EOS, LENGTH, STOP
 from pdserve.core.sampling import SamplingParams
 from pdserve.v1 import gateway_pb2
@@ -145,9 +146,7 @@ class ChatPrompt:
         else ``add_generation_prompt`` and ``add_special_tokens`` (``/tokenize``)."""
         if not getattr(self._tokenizer, "chat_template", None):
             raise bad_request("messages: this model has no chat template", "messages")
-        conversation = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages
-        ]
+        conversation = [_template_message(m) for m in messages]
         options: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
         if body is not None:
             options = {
@@ -156,12 +155,29 @@ class ChatPrompt:
             }
             if body.documents is not None:
                 options["documents"] = body.documents
+            if body.tools:
+                options["tools"] = template_tools(body)
         try:
             text = self._tokenizer.apply_chat_template(conversation, tokenize=False, **options)
         except (TemplateError, ValueError) as exc:
             raise bad_request(f"messages: the chat template refused them: {exc}", "messages") from exc
         special = body.add_special_tokens if body is not None else add_special_tokens
         return list(self._tokenizer(text, add_special_tokens=special).input_ids)
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it (``developer`` is ``system`` to them)."""
+    out: dict[str, Any] = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": message.text(),
+    }
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [template_call(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 def openai_finish_reason(reason: str) -> FinishReason:

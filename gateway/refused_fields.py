@@ -6,8 +6,8 @@ silently dropped. Fields without effect on the output in pdserve's setting are i
 ignores them there: ``user``; ``length_penalty`` (beam search only); ``session_id``,
 ``cache_salt`` (routing and prefix-cache hints; pdserve keeps no prefix cache across requests);
 ``stream_interval`` (chunking only); ``return_token_offsets``, ``return_mm_kwargs`` (render
-endpoints only); ``routed_experts_prompt_start``; chat ``parallel_tool_calls`` and
-``include_reasoning`` (no tool or reasoning parser).
+endpoints only); ``routed_experts_prompt_start``; chat ``include_reasoning`` (no reasoning
+parser).
 """
 
 from __future__ import annotations
@@ -55,8 +55,6 @@ def refused_fields(body: SamplingFields) -> list[tuple[str, str]]:
 def refused_chat_fields(body: ChatCompletionRequest) -> list[tuple[str, str]]:
     """(field, why) for the chat-only fields."""
     out = [(name, why) for name, why in _CHAT_UNSET_ONLY if getattr(body, name)]
-    if body.tool_choice not in (None, "none", "auto"):
-        out.append(("tool_choice", "tool_choice needs tools, which are not supported"))
     if body.add_generation_prompt and body.continue_final_message:
         out.append(
             ("continue_final_message", "continue_final_message cannot be used with add_generation_prompt")

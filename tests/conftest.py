@@ -148,3 +148,13 @@ def limits_stack(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     ).start()
     yield stack
     stack.stop()
+
+
+@pytest.fixture(scope="session")
+def limits_client(limits_stack: Stack) -> Any:
+    """The official `openai` client of ``limits_stack``'s HTTP API."""
+    import openai
+
+    assert limits_stack.gateway is not None
+    address = limits_stack.gateway.ready["http"]
+    return openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0)
