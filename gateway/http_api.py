@@ -217,7 +217,9 @@ class OpenAIApi:
             raise from_value_error(exc) from exc
         places = self._admission.take_many(1)  # before templating: an overloaded gateway does none
         try:
-            ids = await self._prompts.off_loop(lambda: self._chat.token_ids(body.messages, body))
+            ids = await self._prompts.off_loop(
+                lambda: self._chat.token_ids(body.messages, body, body.add_special_tokens)
+            )
             ids = truncated(ids, body, self._limits.max_model_len)
             max_tokens = chat_max_tokens(body, len(ids), self._limits.max_model_len)
             params = sampling_params(body, max_tokens, self._defaults)

@@ -4,7 +4,7 @@ OpenAI's finish reasons. Raises OpenAIError or ValueError (both answered as 400)
 from __future__ import annotations
 
 import math
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from jinja2 import TemplateError
 
@@ -16,6 +16,7 @@ from gateway.openai_models import (
     FinishReason,
     SamplingFields,
 )
+from gateway.openai_tools import ChatTool
 from gateway.prompt_batch import prompt_request_id
 from gateway.structured_request import structured_output
 from gateway.tool_calls import template_call, template_tools
@@ -127,6 +128,15 @@ def max_tokens_param(body: ChatCompletionRequest) -> dict[str, str]:
     return {}
 
 
+class TemplateFields(Protocol):
+    """vLLM's templating fields of a chat request (and of ``/tokenize``'s messages)."""
+
+    add_generation_prompt: bool
+    continue_final_message: bool
+    documents: list[dict[str, str]] | None
+    tools: list[ChatTool] | None
+
+
 class ChatPrompt:
     """The model's chat template over a whole conversation, ending with the assistant's turn."""
 
@@ -134,35 +144,31 @@ class ChatPrompt:
         self._tokenizer = tokenizer
 
     def token_ids(
-        self,
-        messages: list[ChatMessage],
-        body: ChatCompletionRequest | None = None,
-        add_generation_prompt: bool = True,
-        add_special_tokens: bool = False,
+        self, messages: list[ChatMessage], fields: TemplateFields, add_special_tokens: bool = False
     ) -> list[int]:
-        """The template over ``messages``, with ``body``'s templating fields as vLLM's when given:
-        ``add_generation_prompt``, ``continue_final_message``, ``documents`` and
-        ``add_special_tokens`` (the tokenizer's own special tokens on top of the template's);
-        else ``add_generation_prompt`` and ``add_special_tokens`` (``/tokenize``)."""
+        """The template over ``messages`` with ``fields`` as vLLM's (``add_generation_prompt``,
+        ``continue_final_message``, ``documents``, ``tools``); ``add_special_tokens``: the
+        tokenizer's own special tokens on top of the template's."""
         if not getattr(self._tokenizer, "chat_template", None):
             raise bad_request("messages: this model has no chat template", "messages")
+        if fields.add_generation_prompt and fields.continue_final_message:
+            raise bad_request(
+                "continue_final_message cannot be used with add_generation_prompt", "continue_final_message"
+            )
         conversation = [_template_message(m) for m in messages]
-        options: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
-        if body is not None:
-            options = {
-                "add_generation_prompt": body.add_generation_prompt,
-                "continue_final_message": body.continue_final_message,
-            }
-            if body.documents is not None:
-                options["documents"] = body.documents
-            if body.tools:
-                options["tools"] = template_tools(body)
+        options: dict[str, Any] = {
+            "add_generation_prompt": fields.add_generation_prompt,
+            "continue_final_message": fields.continue_final_message,
+        }
+        if fields.documents is not None:
+            options["documents"] = fields.documents
+        if fields.tools:
+            options["tools"] = template_tools(fields.tools)
         try:
             text = self._tokenizer.apply_chat_template(conversation, tokenize=False, **options)
         except (TemplateError, ValueError) as exc:
             raise bad_request(f"messages: the chat template refused them: {exc}", "messages") from exc
-        special = body.add_special_tokens if body is not None else add_special_tokens
-        return list(self._tokenizer(text, add_special_tokens=special).input_ids)
+        return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:

@@ -55,8 +55,4 @@ def refused_fields(body: SamplingFields) -> list[tuple[str, str]]:
 def refused_chat_fields(body: ChatCompletionRequest) -> list[tuple[str, str]]:
     """(field, why) for the chat-only fields."""
     out = [(name, why) for name, why in _CHAT_UNSET_ONLY if getattr(body, name)]
-    if body.add_generation_prompt and body.continue_final_message:
-        out.append(
-            ("continue_final_message", "continue_final_message cannot be used with add_generation_prompt")
-        )
     return out

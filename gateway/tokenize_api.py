@@ -1,8 +1,9 @@
 """``POST /tokenize``, ``POST /detokenize`` and ``GET /version`` of the HTTP API, in vLLM's shapes.
 
 ``/tokenize`` takes a ``prompt`` (tokenized with ``add_special_tokens``, default true) or chat
-``messages`` (the chat template, with ``add_generation_prompt`` default true and
-``add_special_tokens`` default false) and answers ``{count, max_model_len, tokens, token_strs}``
+``messages`` (the chat template, with ``add_generation_prompt`` default true,
+``continue_final_message``, ``documents``, ``tools`` and ``add_special_tokens`` default false, as
+chat completions template them) and answers ``{count, max_model_len, tokens, token_strs}``
 (``token_strs`` only with ``return_token_strs``). ``/detokenize`` takes ``{tokens}`` and answers
 ``{prompt}``, special tokens kept. Both check ``model`` when it is given (404 for another), bound
 their input as the generation endpoints do and refuse more tokens than the model's context (400
@@ -22,6 +23,7 @@ from gateway.input_limits import InputLimits
 from gateway.openai_errors import OpenAIError, bad_request, model_not_found
 from gateway.openai_models import ChatMessage
 from gateway.openai_requests import ChatPrompt
+from gateway.openai_tools import ChatTool
 from gateway.prompt_input import PromptInput
 from pdserve.core.limits import ModelLimits
 
@@ -37,6 +39,9 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # true for a prompt, false for messages (vLLM's defaults)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, str]] | None = None
+    tools: list[ChatTool] | None = None
     return_token_strs: bool | None = False
 
 
@@ -77,11 +82,7 @@ class TokenizeApi:
                 self._inputs.check_texts(field, [m.text() for m in body.messages])
                 messages = body.messages
                 ids = await self._prompts.off_loop(
-                    lambda: self._chat.token_ids(
-                        messages,
-                        add_generation_prompt=body.add_generation_prompt,
-                        add_special_tokens=bool(body.add_special_tokens),
-                    )
+                    lambda: self._chat.token_ids(messages, body, bool(body.add_special_tokens))
                 )
             else:
                 text = body.prompt or ""

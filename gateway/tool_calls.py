@@ -160,9 +160,9 @@ def _constraint(schema: dict[str, Any], whitespace: bool) -> StructuredOutput:
     return output
 
 
-def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+def template_tools(tools: list[ChatTool]) -> list[dict[str, Any]]:
     """The tools as the chat template takes them."""
-    return [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    return [t.model_dump(exclude_none=True) for t in tools]
 
 
 def template_call(call: ToolCall) -> dict[str, Any]:

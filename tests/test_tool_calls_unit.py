@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from gateway.openai_errors import OpenAIError
 from gateway.openai_models import ChatCompletionRequest
 from gateway.openai_requests import ChatPrompt
+from gateway.tokenize_api import TokenizeRequest
 from gateway.tool_calls import ToolCallStream, tool_mode
 from pdserve.model.source import resolve_model_dir
 
@@ -157,8 +158,10 @@ def test_the_template_gets_the_tools_calls_and_results(cache_dir: Path) -> None:
         tools=[tool("w", OBJ), tool("t")],
         tool_choice="none",
     )
-    ids = ChatPrompt(tokenizer).token_ids(body.messages, body)
+    ids = ChatPrompt(tokenizer).token_ids(body.messages, body, body.add_special_tokens)
     text = tokenizer.decode(ids)
     assert "TOOL w|TOOL t|" in text
     assert "CALL c1 w Oslo" in text  # arguments given to the template as an object
     assert "<tool>coldFOR c1" in text
+    tokenize = TokenizeRequest.model_validate({"messages": body.model_dump()["messages"], "tools": body.tools})
+    assert ChatPrompt(tokenizer).token_ids(tokenize.messages or [], tokenize) == ids  # /tokenize's
