@@ -34,6 +34,8 @@ from pydantic import BaseModel
 from gateway.admission import Admission, Place
 from gateway.api_key import ApiKeyGate
 from gateway.body_limit import BodyLimit
+from gateway.chat_response import ChatForm, chat_completion, chat_events
+from gateway.completion_response import CompletionForm, completion, completion_events
 from gateway.http_responses import SseResponse, unless_disconnected
 from gateway.input_limits import InputLimits
 from gateway.metrics import GatewayMetrics
@@ -45,17 +47,7 @@ from gateway.openai_errors import (
     install_handlers,
     model_not_found,
 )
-from gateway.openai_generation import (
-    RequestTotals,
-    ResponseMeta,
-    Responses,
-    chat_completion,
-    chat_events,
-    collect,
-    completion,
-    completion_events,
-    observed,
-)
+from gateway.openai_generation import RequestTotals, ResponseMeta, Responses, collect, observed
 from gateway.openai_logprobs import ChatShape, CompletionShape, TokenText, chat_counts, completion_counts
 from gateway.openai_models import (
     ChatCompletionRequest,
@@ -164,8 +156,13 @@ class OpenAIApi:
                 for position, request in enumerate(requests):
                     shape, requests[position] = await self._completion_shape(body, request, params, echo_only)
                     shapes.append(shape)
-            events = functools.partial(completion_events, shapes=shapes, per_prompt=params.n)
-            whole = functools.partial(completion, shapes=shapes, per_prompt=params.n)
+            prompt_ids = None
+            if body.return_token_ids:
+                requests = [await self._as_token_ids(request) for request in requests]
+                prompt_ids = [list(request.prompt_token_ids) for request in requests]
+            form = CompletionForm(params.n, shapes, prompt_ids, hidden_token=echo_only)
+            events = functools.partial(completion_events, form=form)
+            whole = functools.partial(completion, form=form)
             return await self._respond(raw, body, meta, requests, params, events, whole, places)
         except BaseException:
             release(places)  # a response that streams gives them back when its stream ends
@@ -200,6 +197,14 @@ class OpenAIApi:
             shape, echo=True, echo_only=echo_only, prompt_text=prompt_text, prompt_ids=tuple(ids)
         ), request
 
+    async def _as_token_ids(self, request: gateway_pb2.GenerateRequest) -> gateway_pb2.GenerateRequest:
+        """``request`` with its text prompt tokenized as the request flow would tokenize it."""
+        if not request.prompt:
+            return request
+        text, tokenizer = request.prompt, self._prompts.tokenizer
+        ids = await self._prompts.off_loop(lambda: list(tokenizer(text).input_ids))
+        return gateway_pb2.GenerateRequest(request_id=request.request_id, prompt_token_ids=ids)
+
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._admit(body)
         tools = tool_mode(body)
@@ -208,8 +213,6 @@ class OpenAIApi:
         if count is not None or prompt_count is not None:
             text = TokenText(self._prompts.tokenizer, body.return_tokens_as_token_ids)
             shape = ChatShape(text, count, prompt_count)
-        events: EventsFn = functools.partial(chat_events, shape=shape, tools=tools)
-        whole: BodyFn = functools.partial(chat_completion, shape=shape, tools=tools)
         meta = ResponseMeta.new("chatcmpl", self._model_id, body.request_id)
         try:
             self._inputs.check_texts("messages", [m.text() for m in body.messages])
@@ -231,6 +234,9 @@ class OpenAIApi:
                     )
                 params = dataclasses.replace(params, structured_output=tools.constraint)
             request = gateway_pb2.GenerateRequest(request_id=meta.id, prompt_token_ids=ids)
+            form = ChatForm(shape, tools, ids if body.return_token_ids else None)
+            events = functools.partial(chat_events, form=form)
+            whole = functools.partial(chat_completion, form=form)
             return await self._respond(raw, body, meta, [request], params, events, whole, places)
         except ValueError as exc:
             release(places)

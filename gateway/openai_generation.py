@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -25,24 +25,13 @@ from gateway.admission import Place
 from gateway.metrics import GatewayMetrics
 from gateway.openai_choices import Choices
 from gateway.openai_errors import as_openai_error
-from gateway.openai_logprobs import ChatShape, CompletionShape
 from gateway.openai_models import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatLogprobs,
-    Completion,
-    CompletionChoice,
-    Delta,
     FinishReason,
     StopReason,
 )
 from gateway.openai_requests import openai_finish_reason
 from gateway.public_errors import public_error
 from gateway.request_flow import RequestFlow
-from gateway.tool_calls import ToolCallStream, ToolMode
 from pdserve.core.sampling import SamplingParams
 from pdserve.rpc.errors import RpcError
 from pdserve.v1 import gateway_pb2, sampling_pb2
@@ -131,7 +120,7 @@ async def first_response(responses: Responses) -> gateway_pb2.GenerateResponse:
         raise RpcError(grpc.StatusCode.INTERNAL, "the request ended without a response") from None
 
 
-async def _chain(first: gateway_pb2.GenerateResponse, rest: Responses) -> Responses:
+async def chained(first: gateway_pb2.GenerateResponse, rest: Responses) -> Responses:
     yield first
     async for response in rest:
         yield response
@@ -150,163 +139,22 @@ async def collect(responses: Responses, per_prompt: int | None = None) -> Reques
     return totals
 
 
-def completion(
-    meta: ResponseMeta, totals: RequestTotals, shapes: Sequence[CompletionShape] = (), per_prompt: int = 1
-) -> Completion:
-    """``shapes``: each prompt's (none: the text alone), prompt ``p`` holding the choices
-    ``p * per_prompt`` onward."""
-    choices = []
-    for index, totals_i in totals.by_index():
-        shape = shapes[index // per_prompt] if shapes else None
-        choice = CompletionChoice(
-            index=index,
-            text=totals_i.text,
-            finish_reason=totals_i.finish_reason or "stop",
-            stop_reason=totals_i.stop_reason,
-        )
-        if shape is not None:
-            choice.text, choice.logprobs = shape.render(
-                totals_i.text, totals_i.token_ids, totals_i.logprobs, totals_i.prompt_logprobs, first=True
-            )
-            choice.prompt_logprobs = shape.prompt_field(totals_i.prompt_logprobs)
-        choices.append(choice)
-    return Completion(
-        id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=totals.usage()
-    )
-
-
-def chat_completion(
-    meta: ResponseMeta, totals: RequestTotals, shape: ChatShape | None = None, tools: ToolMode | None = None
-) -> ChatCompletion:
-    """``tools``: the request's tool calling (``gateway.tool_calls``), each choice's output its calls."""
-    choices = []
-    prompt_logprobs: list[sampling_pb2.TokenLogprobs] = []
-    for index, totals_i in totals.by_index():
-        reason = totals_i.finish_reason or "stop"
-        message = AssistantMessage(content=totals_i.text)
-        if tools is not None:
-            calls = tools.calls(totals_i.text)
-            if calls is not None:
-                message = AssistantMessage(content="", tool_calls=calls)
-            reason = tools.finish(reason, calls)
-        choice = ChatChoice(
-            index=index, message=message, finish_reason=reason, stop_reason=totals_i.stop_reason
-        )
-        if shape is not None:
-            choice.logprobs = shape.render(totals_i.token_ids, totals_i.logprobs)
-        prompt_logprobs = prompt_logprobs or totals_i.prompt_logprobs
-        choices.append(choice)
-    body = ChatCompletion(
-        id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=totals.usage()
-    )
-    if shape is not None:
-        body.prompt_logprobs = shape.prompt_field(prompt_logprobs)
-    return body
-
-
 def sse(body: BaseModel) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
 
-async def completion_events(
-    meta: ResponseMeta,
-    first: gateway_pb2.GenerateResponse,
-    rest: Responses,
-    include_usage: bool,
-    shapes: Sequence[CompletionShape] = (),
-    per_prompt: int = 1,
+async def event_stream(
+    chunks: AsyncGenerator[BaseModel, None], rest: Responses, last: Callable[[], BaseModel | None]
 ) -> AsyncGenerator[str, None]:
-    """The SSE events of a completion (``shapes`` and ``per_prompt`` as ``completion``'s)."""
-    totals = Choices(Totals, per_prompt)
+    """``chunks`` as SSE events, then ``last()`` when it gives one (the usage chunk), then
+    ``[DONE]``. A failure is one SSE ``error`` event; ``rest`` is closed however the stream ends."""
     try:
-        async for response in _chain(first, rest):
-            shape = shapes[response.index // per_prompt] if shapes else None
-            is_first = totals.is_new(response.index)
-            offset = len(totals.choice(response.index).text)
-            reason = totals.add(response)
-            choice = CompletionChoice(
-                index=response.index,
-                text=response.text,
-                finish_reason=reason,
-                stop_reason=totals.choice(response.index).stop_reason,
-            )
-            if shape is not None:
-                choice.text, choice.logprobs = shape.render(
-                    response.text,
-                    response.token_ids,
-                    response.logprobs,
-                    response.prompt_logprobs,
-                    first=is_first,
-                    offset=offset,
-                )
-            if choice.text or reason is not None or response.token_ids:
-                yield sse(Completion(id=meta.id, created=meta.created, model=meta.model, choices=[choice]))
-        if include_usage:
-            yield sse(
-                Completion(
-                    id=meta.id, created=meta.created, model=meta.model, choices=[], usage=totals.usage()
-                )
-            )
-    except Exception as exc:
-        yield sse(as_openai_error(exc).model())
-    finally:
-        await rest.aclose()
-    yield DONE
-
-
-async def chat_events(
-    meta: ResponseMeta,
-    first: gateway_pb2.GenerateResponse,
-    rest: Responses,
-    include_usage: bool,
-    shape: ChatShape | None = None,
-    tools: ToolMode | None = None,
-) -> AsyncGenerator[str, None]:
-    """The SSE events of a chat completion (``tools`` as ``chat_completion``'s)."""
-
-    def chunk(
-        index: int, delta: Delta, reason: FinishReason | None = None, logprobs: ChatLogprobs | None = None
-    ) -> str:
-        stop = totals.choice(index).stop_reason if reason is not None else None
-        choice = ChatChunkChoice(
-            index=index, delta=delta, finish_reason=reason, logprobs=logprobs, stop_reason=stop
-        )
-        return sse(ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[choice]))
-
-    totals = Choices(Totals)
-    calls = ToolCallStream(tools) if tools is not None else None
-    try:
-        async for response in _chain(first, rest):
-            if totals.is_new(response.index):  # a choice's first chunk gives the role
-                yield chunk(response.index, Delta(role="assistant", content=""))
-            reason = totals.add(response)
-            logprobs = None
-            if shape is not None and shape.top_logprobs is not None and response.token_ids:
-                logprobs = shape.render(response.token_ids, response.logprobs)
-            if calls is not None:
-                brings = response.text or response.token_ids
-                part = calls.part(response.index, response.text) if brings else None
-                if part is not None:
-                    yield chunk(response.index, Delta(tool_calls=part), logprobs=logprobs)
-                if reason is not None:
-                    text = totals.choice(response.index).text
-                    whole, made = calls.whole(text)
-                    if whole is not None:
-                        yield chunk(response.index, Delta(tool_calls=whole))
-                    elif calls.mode.required and text:
-                        yield chunk(response.index, Delta(content=text))  # not calls: cut short
-                    yield chunk(response.index, Delta(), calls.mode.finish(reason, made))
-                continue
-            if logprobs is not None or response.text or response.token_ids:
-                yield chunk(response.index, Delta(content=response.text), logprobs=logprobs)
-            if reason is not None:
-                yield chunk(response.index, Delta(), reason)
-        if include_usage:
-            yield sse(
-                ChatCompletionChunk(
-                    id=meta.id, created=meta.created, model=meta.model, choices=[], usage=totals.usage()
-                )
-            )
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield sse(chunk)
+        final = last()
+        if final is not None:
+            yield sse(final)
     except Exception as exc:
         yield sse(as_openai_error(exc).model())
     finally:

@@ -53,6 +53,7 @@ class SamplingFields(StructuredFields):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
     request_id: str | None = None
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids in the response
     # vLLM fields pdserve refuses unless neutral (``refused_fields``).
     priority: int = 0
     use_beam_search: bool = False
@@ -60,7 +61,6 @@ class SamplingFields(StructuredFields):
     watermarking: bool | None = None
     prompt_embeds: Any = None
     return_tokens_as_token_ids: bool | None = None
-    return_token_ids: bool | None = None
     logprob_token_ids: list[int] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
@@ -194,6 +194,9 @@ class CompletionChoice(BaseModel):
     # vLLM's: the prompt's logprobs (whole responses of requests that ask for them).
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = Field(default=None, exclude_if=_is_none)
     stop_reason: StopReason = None
+    # vLLM's return_token_ids: the prompt's ids and the choice's generated ids.
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)
+    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)
 
 
 class Completion(BaseModel):
@@ -233,6 +236,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
     stop_reason: StopReason = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # vLLM's return_token_ids
 
 
 class ChatCompletion(BaseModel):
@@ -244,6 +248,7 @@ class ChatCompletion(BaseModel):
     usage: Usage
     # vLLM's: the prompt's logprobs (requests that ask for them).
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = Field(default=None, exclude_if=_is_none)
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # vLLM's return_token_ids
 
 
 class Delta(BaseModel):
@@ -260,6 +265,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: StopReason = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # vLLM's return_token_ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -269,6 +275,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # on the first chunk
 
 
 class ModelPermission(BaseModel):

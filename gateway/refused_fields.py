@@ -23,7 +23,6 @@ _UNSET_ONLY = (
     ("bad_words", "bad_words is not supported"),
     ("watermarking", "watermarking is not supported"),
     ("prompt_embeds", "prompt_embeds is not supported"),
-    ("return_token_ids", "return_token_ids is not supported"),
     ("logprob_token_ids", "logprob_token_ids is not supported"),
     ("kv_transfer_params", "kv_transfer_params is not supported"),
     ("ec_transfer_params", "ec_transfer_params is not supported"),

@@ -253,6 +253,62 @@ def test_a_request_id_at_the_bound_names_the_response(http_stack: HttpStack) -> 
         assert body["id"] == "cmpl-" + "r" * 256
 
 
+def test_return_token_ids_gives_the_prompts_and_the_outputs_ids(http_stack: HttpStack) -> None:
+    """vLLM's ``return_token_ids``: each choice's prompt and generated ids, whole or streamed (the
+    prompt's ids with a choice's first chunk, each chunk's own tokens)."""
+    tokenizer = AutoTokenizer.from_pretrained(http_stack.model_dir)
+    prompts = ["The capital of France is", [5, 6, 7, 300, 41]]
+    prompt_ids = [tokenizer(prompts[0]).input_ids, prompts[1]]
+    generated = [
+        http_stack.grpc(prompt_token_ids=ids, max_tokens=5, temperature=0.0, ignore_eos=True).token_ids
+        for ids in prompt_ids
+    ]
+    fields: dict[str, Any] = {"model": MODEL_ID, "max_tokens": 5, "temperature": 0}
+    fields["extra_body"] = {"ignore_eos": True, "return_token_ids": True}
+    for p, prompt in enumerate(prompts):
+        [choice] = http_stack.client.completions.create(prompt=prompt, **fields).choices
+        assert choice.model_extra is not None
+        assert (choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]) == (
+            prompt_ids[p],
+            generated[p],
+        )
+    batch = http_stack.client.completions.create(prompt=[[9, 8, 7], prompt_ids[1]], n=2, **fields).choices
+    extra = [c.model_extra or {} for c in batch]
+    assert [e["prompt_token_ids"] for e in extra] == [[9, 8, 7]] * 2 + [prompt_ids[1]] * 2
+    assert [e["token_ids"] for e in extra[2:]] == [generated[1]] * 2
+    chunks = list(http_stack.client.completions.create(prompt=prompts[0], stream=True, **fields))
+    extras = [c.choices[0].model_extra or {} for c in chunks]
+    assert [e.get("prompt_token_ids") for e in extras] == [prompt_ids[0]] + [None] * (len(chunks) - 1)
+    assert [t for e in extras for t in e["token_ids"]] == generated[0]
+    echo = http_stack.client.completions.create(
+        prompt=prompts[1], **{**fields, "max_tokens": 0, "echo": True}
+    )
+    extra_echo = echo.choices[0].model_extra or {}
+    assert (extra_echo["prompt_token_ids"], extra_echo["token_ids"]) == (prompt_ids[1], [])
+    plain = http_stack.client.completions.create(prompt=prompts[1], model=MODEL_ID, max_tokens=2)
+    assert not {"prompt_token_ids", "token_ids"} & set(plain.choices[0].model_extra or {})  # unless asked
+
+
+def test_chat_return_token_ids(http_stack: HttpStack) -> None:
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    status, tokenized = http_post(http_stack.http, "/tokenize", json.dumps({"messages": messages}).encode())
+    assert status == 200, tokenized
+    fields: dict[str, Any] = {"model": MODEL_ID, "messages": messages, "max_tokens": 6, "temperature": 0}
+    fields["extra_body"] = {"ignore_eos": True, "return_token_ids": True}
+    generated = http_stack.grpc(
+        prompt_token_ids=tokenized["tokens"], max_tokens=6, temperature=0.0, ignore_eos=True
+    )
+    whole = http_stack.client.chat.completions.create(**fields)
+    assert whole.model_extra is not None and whole.model_extra["prompt_token_ids"] == tokenized["tokens"]
+    assert (whole.choices[0].model_extra or {})["token_ids"] == generated.token_ids
+    chunks = list(http_stack.client.chat.completions.create(stream=True, **fields))
+    assert [(c.model_extra or {}).get("prompt_token_ids") for c in chunks] == [tokenized["tokens"]] + [
+        None
+    ] * (len(chunks) - 1)
+    streamed = [t for c in chunks for t in (c.choices[0].model_extra or {}).get("token_ids") or []]
+    assert streamed == generated.token_ids
+
+
 def test_usage_counts_the_prompt_tokens_taken_from_the_prefix_cache(http_stack: HttpStack) -> None:
     """As OpenAI and vLLM: ``usage.prompt_tokens_details.cached_tokens`` (whole 16-token blocks the
     prefill did not compute again; the prompt's last token always runs)."""

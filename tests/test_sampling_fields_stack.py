@@ -281,7 +281,6 @@ REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("bad_words", {"bad_words": ["x"]}),
     ("watermarking", {"watermarking": True}),
     ("prompt_embeds", {"prompt_embeds": "AAAA"}),
-    ("return_token_ids", {"return_token_ids": True}),
     ("logprob_token_ids", {"logprob_token_ids": [1]}),
     ("kv_transfer_params", {"kv_transfer_params": {"a": 1}}),
     ("ec_transfer_params", {"ec_transfer_params": {"a": 1}}),

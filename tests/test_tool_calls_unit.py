@@ -163,5 +163,7 @@ def test_the_template_gets_the_tools_calls_and_results(cache_dir: Path) -> None:
     assert "TOOL w|TOOL t|" in text
     assert "CALL c1 w Oslo" in text  # arguments given to the template as an object
     assert "<tool>coldFOR c1" in text
-    tokenize = TokenizeRequest.model_validate({"messages": body.model_dump()["messages"], "tools": body.tools})
+    tokenize = TokenizeRequest.model_validate(
+        {"messages": body.model_dump()["messages"], "tools": body.tools}
+    )
     assert ChatPrompt(tokenizer).token_ids(tokenize.messages or [], tokenize) == ids  # /tokenize's
