@@ -3,8 +3,9 @@ shape.
 
 ``ChatForm`` says what the choices show beyond their text: logprobs
 (``gateway.openai_logprobs.ChatShape``), tool calls (``gateway.tool_calls``: each choice's output
-its calls), and with vLLM's ``return_token_ids`` the prompt's ``prompt_token_ids`` (streamed: on
-the first chunk) and each choice's generated ``token_ids`` (streamed: each chunk's own tokens).
+its calls), with vLLM's ``return_token_ids`` the prompt's ``prompt_token_ids`` (streamed: on the
+first chunk) and each choice's generated ``token_ids`` (streamed: each chunk's own tokens), and with
+``continuous_usage_stats`` each chunk's ``usage``: the prompt's tokens and its choice's so far.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
-from gateway.openai_choices import Choices
+from gateway.openai_choices import Choices, choice_usage
 from gateway.openai_generation import RequestTotals, ResponseMeta, Responses, Totals, chained, event_stream
 from gateway.openai_logprobs import ChatShape
 from gateway.openai_models import (
@@ -34,6 +35,7 @@ class ChatForm:
     shape: ChatShape | None = None
     tools: ToolMode | None = None
     prompt_ids: Sequence[int] | None = None  # the prompt's ids, with return_token_ids
+    continuous_usage: bool = False  # every chunk with its choice's usage so far
 
     def token_ids(self, ids: Sequence[int]) -> list[int] | None:
         return None if self.prompt_ids is None else list(ids)
@@ -111,6 +113,7 @@ class _ChatChunks:
         reason: FinishReason | None = None,
         logprobs: ChatLogprobs | None = None,
         token_ids: Sequence[int] = (),
+        role: bool = False,
     ) -> ChatCompletionChunk:
         stop = self._totals.choice(index).stop_reason if reason is not None else None
         choice = ChatChunkChoice(
@@ -122,11 +125,13 @@ class _ChatChunks:
             token_ids=self._form.token_ids(token_ids),
         )
         meta = self._meta
+        usage = choice_usage(self._totals, index, before=role) if self._form.continuous_usage else None
         body = ChatCompletionChunk(
             id=meta.id,
             created=meta.created,
             model=meta.model,
             choices=[choice],
+            usage=usage,
             prompt_token_ids=self._prompt_ids,
         )
         self._prompt_ids = None
@@ -136,9 +141,10 @@ class _ChatChunks:
         totals, form, chunk = self._totals, self._form, self.chunk
         calls = ToolCallStream(form.tools) if form.tools is not None else None
         async for response in responses:
-            if totals.is_new(response.index):  # a choice's first chunk gives the role
-                yield chunk(response.index, Delta(role="assistant", content=""))
+            first = totals.is_new(response.index)
             reason = totals.add(response)
+            if first:  # a choice's first chunk gives the role
+                yield chunk(response.index, Delta(role="assistant", content=""), role=True)
             logprobs = None
             if form.shape is not None and form.shape.top_logprobs is not None and response.token_ids:
                 logprobs = form.shape.render(response.token_ids, response.logprobs)

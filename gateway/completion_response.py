@@ -1,9 +1,10 @@
 """A ``/v1/completions`` response, whole or as server-sent events, in OpenAI's (and vLLM's) shape.
 
 ``CompletionForm`` says what the choices show beyond their text: each prompt's echo and logprobs
-(``gateway.openai_logprobs.CompletionShape``), and with vLLM's ``return_token_ids`` each choice's
+(``gateway.openai_logprobs.CompletionShape``), with vLLM's ``return_token_ids`` each choice's
 ``prompt_token_ids`` and generated ``token_ids`` (streamed: the prompt's ids with a choice's first
-chunk, each chunk's own tokens). A batch's prompt ``p`` holds the choices ``p * per_prompt`` onward
+chunk, each chunk's own tokens), and with ``continuous_usage_stats`` each chunk's ``usage``: its
+prompt's tokens and its choice's tokens so far, as vLLM counts them. A batch's prompt ``p`` holds the choices ``p * per_prompt`` onward
 (``gateway.prompt_batch``).
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
-from gateway.openai_choices import Choices
+from gateway.openai_choices import Choices, choice_usage
 from gateway.openai_generation import RequestTotals, ResponseMeta, Responses, Totals, chained, event_stream
 from gateway.openai_logprobs import CompletionShape
 from gateway.openai_models import Completion, CompletionChoice
@@ -25,6 +26,7 @@ class CompletionForm:
     shapes: Sequence[CompletionShape] = ()  # each prompt's (none: the text alone)
     prompt_ids: Sequence[Sequence[int]] | None = None  # each prompt's ids, with return_token_ids
     hidden_token: bool = False  # echo with max_tokens 0: the one token run is not the output
+    continuous_usage: bool = False  # every chunk with its choice's usage so far
 
     def shape(self, index: int) -> CompletionShape | None:
         return self.shapes[index // self.per_prompt] if self.shapes else None
@@ -108,4 +110,7 @@ async def _chunks(
                 offset=offset,
             )
         if choice.text or reason is not None or response.token_ids:
-            yield Completion(id=meta.id, created=meta.created, model=meta.model, choices=[choice])
+            usage = choice_usage(totals, response.index) if form.continuous_usage else None
+            yield Completion(
+                id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=usage
+            )

@@ -160,7 +160,7 @@ class OpenAIApi:
             if body.return_token_ids:
                 requests = [await self._as_token_ids(request) for request in requests]
                 prompt_ids = [list(request.prompt_token_ids) for request in requests]
-            form = CompletionForm(params.n, shapes, prompt_ids, hidden_token=echo_only)
+            form = CompletionForm(params.n, shapes, prompt_ids, echo_only, body.continuous_usage())
             events = functools.partial(completion_events, form=form)
             whole = functools.partial(completion, form=form)
             return await self._respond(raw, body, meta, requests, params, events, whole, places)
@@ -234,7 +234,7 @@ class OpenAIApi:
                     )
                 params = dataclasses.replace(params, structured_output=tools.constraint)
             request = gateway_pb2.GenerateRequest(request_id=meta.id, prompt_token_ids=ids)
-            form = ChatForm(shape, tools, ids if body.return_token_ids else None)
+            form = ChatForm(shape, tools, ids if body.return_token_ids else None, body.continuous_usage())
             events = functools.partial(chat_events, form=form)
             whole = functools.partial(chat_completion, form=form)
             return await self._respond(raw, body, meta, [request], params, events, whole, places)

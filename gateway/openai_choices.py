@@ -50,10 +50,18 @@ class Choices(Generic[C]):
     def by_index(self) -> list[tuple[int, C]]:
         return sorted(self._choices.items())
 
+    def prompt_tokens(self, index: int) -> int:
+        """The tokens of choice ``index``'s prompt, as its prompt's choices have reported them."""
+        group = self._group(index)
+        return max((c.prompt_tokens for i, c in self._choices.items() if self._group(i) == group), default=0)
+
+    def _group(self, index: int) -> int:
+        return 0 if self._per_prompt is None else index // self._per_prompt
+
     def usage(self) -> Usage:
         prompts: dict[int, tuple[int, int]] = {}  # prompt -> its tokens, those cached
         for index, c in self._choices.items():
-            prompt = 0 if self._per_prompt is None else index // self._per_prompt
+            prompt = self._group(index)
             tokens, cached = prompts.get(prompt, (0, 0))
             prompts[prompt] = (max(tokens, c.prompt_tokens), max(cached, c.cached_tokens))
         prompt_tokens = sum(tokens for tokens, _ in prompts.values())
@@ -65,3 +73,11 @@ class Choices(Generic[C]):
             total_tokens=prompt_tokens + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
+
+
+def choice_usage(choices: Choices[C], index: int, before: bool = False) -> Usage:
+    """Choice ``index``'s usage so far: its prompt's tokens and its own (vLLM's continuous usage);
+    ``before``: as it stands before its first token (a chat stream's role chunk)."""
+    prompt = choices.prompt_tokens(index)
+    completion = 0 if before else choices.choice(index).completion_tokens
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

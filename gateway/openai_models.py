@@ -19,7 +19,7 @@ from gateway.refused_fields import refused_chat_fields, refused_fields
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False  # with include_usage: each chunk's choice's usage so far (vLLM's)
 
 
 class SamplingFields(StructuredFields):
@@ -69,6 +69,12 @@ class SamplingFields(StructuredFields):
     thinking_token_budget: int | None = None
     skip_special_tokens: bool = True  # vLLM's: the text leaves special tokens out
     spaces_between_special_tokens: bool = True  # vLLM's (see gateway.detokenizer)
+
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries its choice's usage so far (vLLM's
+        ``stream_options.continuous_usage_stats``, with ``include_usage``)."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for each field set to something pdserve cannot do."""

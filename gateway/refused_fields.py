@@ -46,8 +46,6 @@ def refused_fields(body: SamplingFields) -> list[tuple[str, str]]:
         out.append(("priority", f"priority must be 0 (no priority scheduling), got {body.priority}"))
     if body.thinking_token_budget not in (None, -1):
         out.append(("thinking_token_budget", "thinking_token_budget is not supported"))
-    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
-        out.append(("stream_options", "stream_options.continuous_usage_stats is not supported"))
     return out
 
 

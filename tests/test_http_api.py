@@ -309,6 +309,38 @@ def test_chat_return_token_ids(http_stack: HttpStack) -> None:
     assert streamed == generated.token_ids
 
 
+def test_continuous_usage_stats_count_each_choice_as_it_streams(http_stack: HttpStack) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk has its
+    choice's usage so far, against its own prompt's tokens."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    fields: dict[str, Any] = {"model": MODEL_ID, "max_tokens": 4, "temperature": 0, "n": 2, "stream": True}
+    fields["extra_body"] = {"ignore_eos": True}
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4]]
+    chunks = list(http_stack.client.completions.create(prompt=prompts, stream_options=options, **fields))
+    seen: dict[int, list[int]] = {}
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        assert chunk.usage is not None
+        assert chunk.usage.prompt_tokens == len(prompts[choice.index // 2])
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+        seen.setdefault(choice.index, []).append(chunk.usage.completion_tokens)
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert all(counts == sorted(counts) and counts[-1] == 4 for counts in seen.values())
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16  # the whole request's
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = list(
+        http_stack.client.chat.completions.create(messages=messages, stream_options=options, **fields)
+    )
+    roles = [c for c in chat if c.choices and c.choices[0].delta.role == "assistant"]
+    assert len(roles) == 2 and all(c.usage is not None and c.usage.completion_tokens == 0 for c in roles)
+    assert all(c.usage is not None for c in chat)
+    finals = [c.usage.completion_tokens for c in chat if c.choices and c.choices[0].finish_reason and c.usage]
+    assert finals == [4, 4]
+    plain = list(http_stack.client.chat.completions.create(messages=messages, **{**fields, "n": 1}))
+    assert all(c.usage is None for c in plain)  # without include_usage: nothing
+
+
 def test_usage_counts_the_prompt_tokens_taken_from_the_prefix_cache(http_stack: HttpStack) -> None:
     """As OpenAI and vLLM: ``usage.prompt_tokens_details.cached_tokens`` (whole 16-token blocks the
     prefill did not compute again; the prompt's last token always runs)."""

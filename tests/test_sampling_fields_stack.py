@@ -288,7 +288,6 @@ REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("repetition_detection", {"repetition_detection": {"n": 2}}),
     ("priority", {"priority": 1}),
     ("thinking_token_budget", {"thinking_token_budget": 10}),
-    ("stream_options", {"stream": True, "stream_options": {"continuous_usage_stats": True}}),
     ("presence_penalty", {"presence_penalty": 3}),
     ("frequency_penalty", {"frequency_penalty": -3}),
     ("repetition_penalty", {"repetition_penalty": 0}),
