@@ -18,7 +18,6 @@ up the request ends (504 before its first token, an SSE ``error`` event after it
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -304,7 +303,8 @@ class OpenAIApi:
         if body.stream:
             first, rest = await started(responses, len(requests), params.n)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return SseResponse(releasing(events(meta, first, rest, include_usage), places))
+            # Every prompt's stream has started: each gives its place back when it ends.
+            return SseResponse(events(meta, first, rest, include_usage))
         try:
             totals = await unless_disconnected(raw, collect(responses, params.n))
         finally:
@@ -317,16 +317,6 @@ class OpenAIApi:
 def release(places: list[Place]) -> None:
     for place in places:
         place.release()
-
-
-async def releasing(events: AsyncGenerator[str, None], places: list[Place]) -> AsyncGenerator[str, None]:
-    """``events``, then ``places`` given back, however the stream ends."""
-    try:
-        async with contextlib.aclosing(events):
-            async for event in events:
-                yield event
-    finally:
-        release(places)
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
