@@ -276,6 +276,7 @@ class OpenAIApi:
         try:
             self._inputs.check_request_id(body.request_id or "")
             self._inputs.check_stop(stop_list(body.stop))
+            self._inputs.check_bad_words(body.bad_words or [])
             self._inputs.check_stop_token_ids(len(body.stop_token_ids or ()))
             self._inputs.check_n(body.n)
         except ValueError as exc:

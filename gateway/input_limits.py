@@ -12,6 +12,7 @@ import re
 from collections.abc import Sequence
 
 from pdserve.config import RequestLimits
+from pdserve.core.sampling import MAX_BAD_WORDS
 from pdserve.v1 import gateway_pb2, sampling_pb2
 
 REQUEST_ID = re.compile(r"[\x21-\x7e]*")
@@ -30,6 +31,7 @@ class InputLimits:
 
     def check_sampling(self, sampling: sampling_pb2.SamplingParams) -> None:
         self.check_stop(sampling.stop)
+        self.check_bad_words(sampling.bad_words)
         self.check_stop_token_ids(len(sampling.stop_token_ids))
         if sampling.HasField("n"):
             self.check_n(sampling.n)
@@ -107,6 +109,19 @@ class InputLimits:
             total += utf8_size("sampling.stop", s)
             if total > byte_bound:
                 raise ValueError(f"sampling.stop strings are longer than {byte_bound} bytes together")
+
+    def check_bad_words(self, words: Sequence[str]) -> None:
+        """As many words as token sequences may be served (``MAX_BAD_WORDS``), and no more bytes
+        than stop strings may have."""
+        if len(words) > MAX_BAD_WORDS:
+            raise ValueError(
+                f"sampling.bad_words has {len(words)} words; at most {MAX_BAD_WORDS} are allowed"
+            )
+        total, bound = 0, self.limits.max_stop_bytes
+        for word in words:
+            total += utf8_size("sampling.bad_words", word)
+            if total > bound:
+                raise ValueError(f"sampling.bad_words are longer than {bound} bytes together")
 
     def check_stop_token_ids(self, count: int) -> None:
         bound = self.limits.max_stop_token_ids

@@ -48,6 +48,7 @@ class SamplingFields(StructuredFields):
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None  # ``gateway.bad_words``
     include_stop_str_in_output: bool = False
     # Prompt handling (``gateway.prompt_options``).
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
@@ -57,7 +58,6 @@ class SamplingFields(StructuredFields):
     # vLLM fields pdserve refuses unless neutral (``refused_fields``).
     priority: int = 0
     use_beam_search: bool = False
-    bad_words: list[str] | None = None
     watermarking: bool | None = None
     prompt_embeds: Any = None
     return_tokens_as_token_ids: bool | None = None

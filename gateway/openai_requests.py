@@ -59,6 +59,7 @@ def sampling_params(
         min_tokens=body.min_tokens,
         logit_bias=logit_bias(body.logit_bias),
         allowed_token_ids=allowed_token_ids(body.allowed_token_ids),
+        bad_words=tuple(body.bad_words or ()),
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 # (field, what pdserve accepts) for fields refused when set to anything but unset/false/empty.
 _UNSET_ONLY = (
     ("use_beam_search", "beam search is not supported"),
-    ("bad_words", "bad_words is not supported"),
     ("watermarking", "watermarking is not supported"),
     ("prompt_embeds", "prompt_embeds is not supported"),
     ("logprob_token_ids", "logprob_token_ids is not supported"),

@@ -63,6 +63,7 @@ import grpc
 
 from gateway.backend_health import BackendHealth
 from gateway.backends import Backend, BackendPool, Chooser
+from gateway.bad_words import resolved
 from gateway.choice_streams import choice_answers, choices_params, merged
 from gateway.decode_mux import DecodeFailure, DecodeMux, MuxedRequest
 from gateway.metrics import GatewayMetrics
@@ -289,6 +290,9 @@ class RequestFlow:
         request_id = request.request_id or secrets.token_hex(8)
         if (structured := params.structured_output) is not None:  # refused before any backend call
             await self._prompts.off_loop(lambda: grammar_of(structured))
+        if params.bad_words:
+            given = params
+            params = await self._prompts.off_loop(lambda: resolved(given, self._tokenizer))
         prompt_ids = await self._prompts.token_ids(request, params)
         if not params.is_greedy and params.seed is None:
             params = dataclasses.replace(params, seed=secrets.randbits(63))

@@ -20,6 +20,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from gateway.bad_words import bad_words_token_ids
 from pdserve.core.finish import finish_reason
 from pdserve.core.logits_processing import pick, request_processor
 from pdserve.core.sampling import SamplingParams
@@ -182,6 +183,54 @@ def test_seeded_sampling_with_penalties_matches_one_process(sampling_stack: Samp
     assert [r.token_ids for r in again] == [r.token_ids for r in results]
 
 
+def bad_words_request(prompt: list[int], bad: list[list[int]], **fields: Any) -> Any:
+    request = make_request(prompt_token_ids=prompt, max_tokens=12, **greedy(1.0), **fields)
+    for sequence in bad:
+        request.sampling.bad_words_token_ids.add(token_ids=sequence)
+    return request
+
+
+def test_greedy_bad_words_equal_transformers_generate(sampling_stack: SamplingStack) -> None:
+    """One-token and two-token bad words against ``generate(bad_words_ids=...)``, whose rule is
+    vLLM's once the word's prefix lies in the output (the prompt's last token is not its prefix)."""
+    s = sampling_stack
+    prompt = PROMPTS[0]
+    plain = run(s.stack.address, bad_words_request(prompt, [])).token_ids
+    assert plain == s.hf_greedy(prompt, 12)
+    i = next(i for i in range(1, 10) if plain[i] != prompt[-1])
+    for bad in ([[plain[0]]], [[plain[i], plain[i + 1]]], [[plain[0]], [plain[i], plain[i + 1]]]):
+        result = run(s.stack.address, bad_words_request(prompt, bad))
+        assert result.token_ids == s.hf_greedy(prompt, 12, bad_words_ids=bad), bad
+        assert result.token_ids != plain
+    seeded = bad_words_request(prompt, [[plain[0]]], seed=4)
+    seeded.sampling.temperature = 1.0
+    defaults = sampling_from_proto(sampling_to_proto(SamplingParams(**GENERATION)))  # type: ignore[arg-type]
+    params = sampling_from_proto(seeded.sampling, defaults)
+    assert run(s.stack.address, seeded).token_ids == one_process(s, prompt, params)
+
+
+def test_bad_words_as_text_over_http_and_grpc(sampling_stack: SamplingStack) -> None:
+    """Words are tokenized by the gateway as vLLM does, the same for both APIs."""
+    s = sampling_stack
+    prompt = PROMPTS[2]
+    word = s.tokenizer.decode(s.hf_greedy(prompt, 2)).strip()
+    assert word
+    sequences = bad_words_token_ids((word,), s.tokenizer)
+    by_ids = run(s.stack.address, bad_words_request(prompt, [list(q) for q in sequences]))
+    by_text = run(s.stack.address, bad_words_request(prompt, [], bad_words=[word]))
+    http = s.client.completions.create(
+        model=MODEL_ID, prompt=prompt, max_tokens=12, extra_body={**greedy(1.0), "bad_words": [word]}
+    )
+    assert by_text.token_ids == by_ids.token_ids
+    assert http.choices[0].text == by_ids.text
+    for bad in (["   "], ["x"] * 129):
+        with pytest.raises(openai.BadRequestError) as error:
+            s.client.completions.create(
+                model=MODEL_ID, prompt=prompt, max_tokens=2, extra_body={"bad_words": bad}
+            )
+        assert "bad_words" in error.value.message
+
+
 # --- stop_reason and include_stop_str_in_output --------------------------------------------------
 
 
@@ -278,7 +327,6 @@ COMPLETION: dict[str, Any] = {"model": MODEL_ID, "prompt": "hi", "max_tokens": 2
 CHAT: dict[str, Any] = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("use_beam_search", {"use_beam_search": True}),
-    ("bad_words", {"bad_words": ["x"]}),
     ("watermarking", {"watermarking": True}),
     ("prompt_embeds", {"prompt_embeds": "AAAA"}),
     ("logprob_token_ids", {"logprob_token_ids": [1]}),

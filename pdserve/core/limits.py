@@ -39,6 +39,12 @@ class ModelLimits:
                 raise ValueError(
                     f"sampling.logit_bias has token id {token}, outside the vocabulary [0, {self.vocab_size})"
                 )
+        for sequence in params.bad_words_token_ids:
+            for token in sequence:
+                if token >= self.vocab_size:
+                    raise ValueError(
+                        f"sampling.bad_words_token_ids has {token}, outside the vocabulary [0, {self.vocab_size})"
+                    )
 
     def check_request(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, num_generated: int = 0

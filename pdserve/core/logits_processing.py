@@ -2,6 +2,8 @@
 
 In vLLM's order, on float32 logits:
 1. ``allowed_token_ids``: every other token is masked;
+   ``bad_words``: the last token of each bad word's token sequence is masked where the output ends
+   with the rest of it (a one-token word always);
 2. ``min_tokens``: while fewer output tokens than that were generated, the end-of-sequence tokens
    (unless ``ignore_eos``) and ``stop_token_ids`` are masked;
 3. ``logit_bias``: each bias is added to its token's logit;
@@ -19,6 +21,7 @@ token it samples after them.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Collection, Sequence
 
 import torch
@@ -55,6 +58,9 @@ class LogitsProcessor:
         self._bias_ids: torch.Tensor | None = None
         self._bias: torch.Tensor | None = None
         self._stop: torch.Tensor | None = None
+        self._bad = params.bad_words_token_ids
+        keep = max((len(sequence) - 1 for sequence in self._bad), default=0)
+        self._tail = deque(self._output_ids[len(self._output_ids) - keep :] if keep else (), maxlen=keep)
 
     @classmethod
     def of_request(
@@ -82,6 +88,12 @@ class LogitsProcessor:
         scores = logits.float().clone()
         if self._allowed is not None:
             scores.masked_fill_(~self._allowed, float("-inf"))
+        if self._bad:
+            banned = self._banned()
+            if banned:
+                scores.index_fill_(
+                    0, torch.tensor(banned, dtype=torch.long, device=scores.device), float("-inf")
+                )
         if self._stop is not None and self._num_output < p.min_tokens:
             scores.index_fill_(0, self._stop, float("-inf"))
         if self._bias_ids is not None and self._bias is not None:
@@ -98,6 +110,8 @@ class LogitsProcessor:
     def append(self, token_id: int) -> None:
         """``token_id`` was sampled: it is an output token from now on."""
         self._num_output += 1
+        if self._tail.maxlen:
+            self._tail.append(token_id)
         if not self._built:
             self._output_ids.append(token_id)
             return
@@ -106,10 +120,23 @@ class LogitsProcessor:
         if self._seen is not None:
             self._seen[token_id] = True
 
+    def _banned(self) -> list[int]:
+        """The bad words' last tokens that the output's end calls for (vLLM's rule: only output
+        tokens count, so a word longer than the output so far plus one is never matched)."""
+        tail = list(self._tail)
+        banned = []
+        for sequence in self._bad:
+            prefix = len(sequence) - 1
+            if prefix > min(self._num_output, len(tail)):
+                continue
+            if prefix == 0 or tail[len(tail) - prefix :] == list(sequence[:prefix]):
+                banned.append(sequence[-1])
+        return banned
+
     def _build(self, vocab_size: int, device: torch.device) -> None:
         p = self._params
         self._built = True
-        if p.needs_history:
+        if p.has_penalties:
             self._counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
             if self._output_ids:
                 ids = torch.tensor(self._output_ids, dtype=torch.long, device=device)

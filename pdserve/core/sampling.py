@@ -16,6 +16,7 @@ from pdserve.core.structured_output import StructuredOutput
 
 _GOLDEN = 0x9E3779B97F4A7C15
 MAX_CHOICES = 128  # the most choices (``n``) of one request any service takes
+MAX_BAD_WORDS = 128  # the most token sequences of one request's bad words (vLLM's default bound)
 _MASK64 = (1 << 64) - 1
 
 
@@ -48,6 +49,10 @@ class SamplingParams:
     )
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     allowed_token_ids: tuple[int, ...] = ()  # when set, only these tokens may be sampled
+    # vLLM's bad_words: the words as given (resolved by the gateway into their token sequences)...
+    bad_words: tuple[str, ...] = ()
+    # ...and those sequences: a sequence's last token is masked where the output ends with the rest.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     include_stop_str_in_output: bool = False  # the text keeps the stop string (or stop token) that ended it
     skip_special_tokens: bool = True  # the text leaves special tokens out (the gateway's detokenizer)
     spaces_between_special_tokens: bool = True
@@ -80,9 +85,13 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
-    def needs_history(self) -> bool:
-        """Whether sampling reads the request's tokens (the penalties)."""
+    def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the request's tokens (the penalties, the bad words)."""
+        return self.has_penalties or bool(self.bad_words_token_ids)
 
     @property
     def has_processors(self) -> bool:
@@ -122,6 +131,16 @@ def check_logits_fields(params: SamplingParams) -> None:
             raise ValueError(f"sampling.logit_bias[{token}] must be in [-100, 100], got {bias}")
     if any(t < 0 for t in params.allowed_token_ids):
         raise ValueError("sampling.allowed_token_ids must be >= 0")
+    if any(not word for word in params.bad_words):
+        raise ValueError("sampling.bad_words must not contain empty strings")
+    if len(params.bad_words_token_ids) > MAX_BAD_WORDS:
+        raise ValueError(
+            f"sampling.bad_words are {len(params.bad_words_token_ids)} token sequences; at most "
+            f"{MAX_BAD_WORDS} are allowed"
+        )
+    for sequence in params.bad_words_token_ids:
+        if not sequence or any(t < 0 for t in sequence):
+            raise ValueError("sampling.bad_words_token_ids must hold non-empty sequences of ids >= 0")
 
 
 def mix_seed(seed: int, step: int) -> int:

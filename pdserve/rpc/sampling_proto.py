@@ -45,6 +45,8 @@ def sampling_from_proto(
         else None,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         allowed_token_ids=tuple(msg.allowed_token_ids),
+        bad_words=tuple(msg.bad_words),
+        bad_words_token_ids=tuple(tuple(sequence.token_ids) for sequence in msg.bad_words_token_ids),
         include_stop_str_in_output=msg.include_stop_str_in_output,
         skip_special_tokens=(
             msg.skip_special_tokens if msg.HasField("skip_special_tokens") else _DEFAULTS.skip_special_tokens
@@ -65,6 +67,10 @@ def sampling_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
         ignore_eos=params.ignore_eos,
         logit_bias=dict(params.logit_bias),
         allowed_token_ids=list(params.allowed_token_ids),
+        bad_words=list(params.bad_words),
+        bad_words_token_ids=[
+            sampling_pb2.TokenSequence(token_ids=list(sequence)) for sequence in params.bad_words_token_ids
+        ],
         include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=params.skip_special_tokens,
         spaces_between_special_tokens=params.spaces_between_special_tokens,
