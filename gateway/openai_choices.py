@@ -50,11 +50,6 @@ class Choices(Generic[C]):
     def by_index(self) -> list[tuple[int, C]]:
         return sorted(self._choices.items())
 
-    def prompt_tokens(self, index: int) -> int:
-        """The tokens of choice ``index``'s prompt, as its prompt's choices have reported them."""
-        group = self._group(index)
-        return max((c.prompt_tokens for i, c in self._choices.items() if self._group(i) == group), default=0)
-
     def _group(self, index: int) -> int:
         return 0 if self._per_prompt is None else index // self._per_prompt
 
@@ -76,8 +71,10 @@ class Choices(Generic[C]):
 
 
 def choice_usage(choices: Choices[C], index: int, before: bool = False) -> Usage:
-    """Choice ``index``'s usage so far: its prompt's tokens and its own (vLLM's continuous usage);
-    ``before``: as it stands before its first token (a chat stream's role chunk)."""
-    prompt = choices.prompt_tokens(index)
-    completion = 0 if before else choices.choice(index).completion_tokens
+    """Choice ``index``'s usage so far: its prompt's tokens (each choice's first response gives
+    them) and its own (vLLM's continuous usage); ``before``: as it stands before its first token
+    (a chat stream's role chunk)."""
+    choice = choices.choice(index)
+    prompt = choice.prompt_tokens
+    completion = 0 if before else choice.completion_tokens
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
