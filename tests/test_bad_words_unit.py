@@ -84,6 +84,7 @@ def test_words_become_vllms_token_sequences(cache_dir: Path) -> None:
         ({"bad_words_token_ids": ((),)}, "non-empty"),
         ({"bad_words_token_ids": ((1, -2),)}, ">= 0"),
         ({"bad_words_token_ids": tuple((i,) for i in range(MAX_BAD_WORDS + 1))}, "at most 128"),
+        ({"bad_words_token_ids": ((1,) * 4097,)}, "at most 4096"),
     ],
 )
 def test_refused(fields: dict[str, Any], message: str) -> None:

@@ -27,7 +27,7 @@ from pdserve.core.sampling import SamplingParams
 from pdserve.rpc.sampling_proto import sampling_from_proto, sampling_to_proto
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from tests.conftest import EOS_PROMPT, assert_no_leaks, eos_model_copy
-from tests.grpc_client import generate_many, make_request, run
+from tests.grpc_client import expect_error, generate_many, make_request, run
 from tests.stack import Stack, internal_aio_channel
 
 MODEL_ID = "tiny-llama-sampling"
@@ -223,6 +223,9 @@ def test_bad_words_as_text_over_http_and_grpc(sampling_stack: SamplingStack) -> 
     )
     assert by_text.token_ids == by_ids.token_ids
     assert http.choices[0].text == by_ids.text
+    for hostile in ([[5] * 4097], [[5]] * 129, [[10**6]]):  # too long, too many, outside the vocabulary
+        error = expect_error(s.stack.address, bad_words_request(prompt, hostile))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "bad_words" in (error.details() or "")
     for bad in (["   "], ["x"] * 129):
         with pytest.raises(openai.BadRequestError) as error:
             s.client.completions.create(

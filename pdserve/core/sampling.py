@@ -17,6 +17,7 @@ from pdserve.core.structured_output import StructuredOutput
 _GOLDEN = 0x9E3779B97F4A7C15
 MAX_CHOICES = 128  # the most choices (``n``) of one request any service takes
 MAX_BAD_WORDS = 128  # the most token sequences of one request's bad words (vLLM's default bound)
+MAX_BAD_WORDS_TOKENS = 4096  # the most tokens of those sequences together (each step reads them)
 _MASK64 = (1 << 64) - 1
 
 
@@ -137,6 +138,11 @@ def check_logits_fields(params: SamplingParams) -> None:
         raise ValueError(
             f"sampling.bad_words are {len(params.bad_words_token_ids)} token sequences; at most "
             f"{MAX_BAD_WORDS} are allowed"
+        )
+    total = sum(len(sequence) for sequence in params.bad_words_token_ids)
+    if total > MAX_BAD_WORDS_TOKENS:
+        raise ValueError(
+            f"sampling.bad_words are {total} tokens together; at most {MAX_BAD_WORDS_TOKENS} are allowed"
         )
     for sequence in params.bad_words_token_ids:
         if not sequence or any(t < 0 for t in sequence):
