@@ -99,16 +99,7 @@ class InputLimits:
         count, bound = len(stop), self.limits.max_stop_strings
         if count > bound:
             raise ValueError(f"sampling.stop has {count} strings; at most {bound} are allowed")
-        total, byte_bound = 0, self.limits.max_stop_bytes
-        for s in stop:
-            total += len(s)
-            if total > byte_bound:
-                break
-        total = 0
-        for s in stop:
-            total += utf8_size("sampling.stop", s)
-            if total > byte_bound:
-                raise ValueError(f"sampling.stop strings are longer than {byte_bound} bytes together")
+        self._check_stop_bytes("sampling.stop", "sampling.stop strings", stop)
 
     def check_bad_words(self, words: Sequence[str]) -> None:
         """As many words as token sequences may be served (``MAX_BAD_WORDS``), and no more bytes
@@ -117,11 +108,15 @@ class InputLimits:
             raise ValueError(
                 f"sampling.bad_words has {len(words)} words; at most {MAX_BAD_WORDS} are allowed"
             )
+        self._check_stop_bytes("sampling.bad_words", "sampling.bad_words", words)
+
+    def _check_stop_bytes(self, field: str, what: str, strings: Sequence[str]) -> None:
+        """The UTF-8 bytes of ``strings`` together against ``max_stop_bytes``."""
         total, bound = 0, self.limits.max_stop_bytes
-        for word in words:
-            total += utf8_size("sampling.bad_words", word)
+        for text in strings:
+            total += utf8_size(field, text)
             if total > bound:
-                raise ValueError(f"sampling.bad_words are longer than {bound} bytes together")
+                raise ValueError(f"{what} are longer than {bound} bytes together")
 
     def check_stop_token_ids(self, count: int) -> None:
         bound = self.limits.max_stop_token_ids

@@ -226,7 +226,7 @@ def test_bad_words_as_text_over_http_and_grpc(sampling_stack: SamplingStack) -> 
     for hostile in ([[5] * 4097], [[5]] * 129, [[10**6]]):  # too long, too many, outside the vocabulary
         error = expect_error(s.stack.address, bad_words_request(prompt, hostile))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "bad_words" in (error.details() or "")
-    for bad in (["   "], ["x"] * 129):
+    for bad in (["   "], ["x"] * 129, ["x" * 17000]):  # no token, too many, too many bytes
         with pytest.raises(openai.BadRequestError) as error:
             s.client.completions.create(
                 model=MODEL_ID, prompt=prompt, max_tokens=2, extra_body={"bad_words": bad}
